@@ -1,0 +1,50 @@
+"""Run a test function on N ranks: N spawned processes on the gloo backend.
+
+`run_ranks(world_size, fn, *args)` calls `fn(rank, world_size, *args)` in each
+rank (fn must be a module-level function) and returns the ranks' return
+values, in rank order. A failing rank fails the test with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    if world_size == 1 and os.environ.get("ZERO3_TEST_INPROCESS_WORLD1") == "1":
+        return [fn(0, 1, *args)]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+            join=True, start_method="spawn",
+        )
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

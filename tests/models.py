@@ -1,0 +1,200 @@
+"""Small models that exercise the engine's hard cases, and a plain-torch reference trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, d_hidden: int = 64, d_out: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.fc3 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return F.mse_loss(self.fc3(h).float(), y.float())
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        # No qkv bias: the key bias has an exactly-zero true gradient, which Adam
+        # turns into rounding-noise-sized updates that no two summation orders share.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TiedTransformer(nn.Module):
+    """Token embedding tied to the output head (the same Parameter in two modules)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, block: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(block, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class AttributeTiedLM(nn.Module):
+    """The head reads the embedding's weight by attribute (not registered in the head)."""
+
+    def __init__(self, vocab: int = 48, dim: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(self.embed(idx)))
+        logits = F.linear(h, self.embed.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class BiasReturningLinear(nn.Module):
+    """Returns its output without the bias, and the bias itself (Megatron's skip_bias_add)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / math.sqrt(d_in))
+        self.bias = nn.Parameter(torch.randn(d_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, nn.Parameter]:
+        return F.linear(x, self.weight), self.bias
+
+
+class DanglingBias(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inner = BiasReturningLinear(d, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, bias = self.inner(x)
+        h = torch.relu(h + bias) * bias  # the bias is used twice, once saved for backward
+        return F.mse_loss(self.out(h).float(), y.float())
+
+
+class DictOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        return {"loss": self.mlp(x, y), "aux": None, "note": "dict outputs pass through"}
+
+
+@dataclasses.dataclass
+class Output:
+    loss: torch.Tensor
+    hidden: torch.Tensor
+
+
+class Recorder(nn.Module):
+    """A module with parameters whose forward returns None (it leaves its result on itself)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.last: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> None:
+        self.last = h * self.scale
+        return None
+
+
+class NoneOutput(nn.Module):
+    """Returns None from forward; the loss is left on the module (and a child returns None too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+        self.rec = Recorder(8)
+        self.loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.rec(self.fc(x))
+        self.loss = F.mse_loss(self.rec.last.float(), y.float())
+        return None
+
+
+class DataclassOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Output:
+        h = self.fc(x)
+        return Output(loss=F.mse_loss(h.float(), y.float()), hidden=h)
+
+
+def loss_of(output: object, model: nn.Module) -> torch.Tensor:
+    """The loss, whatever shape the forward returned it in."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output["loss"]
+    if isinstance(output, Output):
+        return output.loss
+    if output is None:
+        return model.loss  # type: ignore[return-value]
+    raise TypeError(type(output))
+
+
+def batches(kind: str, steps: int, global_batch: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if kind == "tokens":
+            idx = torch.randint(0, 48, (global_batch, 16), generator=g)
+            out.append((idx, torch.roll(idx, -1, dims=1)))
+        else:
+            out.append((torch.randn(global_batch, 16, generator=g), torch.randn(global_batch, 8 if kind == "x8" else 4, generator=g)))
+    return out
+
+
+def reference_losses(
+    model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], lr: float, weight_decay: float, clip: float,
+    gas: int = 1,
+) -> tuple[list[float], nn.Module]:
+    """Plain single-process torch: AdamW on the whole global batch, clip by global norm."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for x, y in data:
+        total = 0.0
+        for xs, ys in zip(x.chunk(gas), y.chunk(gas)):
+            loss = loss_of(model(xs, ys), model) / gas
+            loss.backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model

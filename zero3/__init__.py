@@ -1,0 +1,37 @@
+"""zero3: a ZeRO stage-3 training engine for PyTorch with first-class state offloading."""
+
+from zero3.accessors import (
+    param_status,
+    safe_get_full_fp32_param,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_lp_param,
+    safe_get_local_optimizer_state,
+)
+from zero3.config import ConfigError, Zero3Config, load_config
+from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
+from zero3.partition.gathered import GatheredParameters
+from zero3.partition.init_context import Init
+from zero3.runtime.engine import ZeroEngine
+from zero3.runtime.initialize import initialize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "GatheredParameters",
+    "Init",
+    "OffloadDevice",
+    "OffloadStateType",
+    "ParamStatus",
+    "Zero3Config",
+    "ZeroEngine",
+    "initialize",
+    "load_config",
+    "param_status",
+    "safe_get_full_fp32_param",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_lp_param",
+    "safe_get_local_optimizer_state",
+]

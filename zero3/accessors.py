@@ -1,0 +1,52 @@
+"""Per-parameter access to the engine's state (API.md's `safe_get_*`).
+
+Local getters return views that share storage with the engine's flat buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zero3.enums import ParamStatus
+from zero3.partition.sharded_param import require_sharded
+
+
+def param_status(param: torch.Tensor) -> ParamStatus:
+    return require_sharded(param, "param_status").status
+
+
+def safe_get_local_lp_param(param: torch.Tensor) -> torch.Tensor:
+    """This rank's 16-bit shard (zero padded to the shard size)."""
+    return require_sharded(param, "safe_get_local_lp_param").lp_shard()
+
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's fp32 master shard; None for a parameter the optimizer does not train."""
+    sp = require_sharded(param, "safe_get_local_fp32_param")
+    return sp.hp_slot.view() if sp.hp_slot is not None else None
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's reduced gradient shard (16-bit, fp16 loss scale not removed); None if frozen."""
+    sp = require_sharded(param, "safe_get_local_grad")
+    return sp.grad_slot.view() if sp.grad_slot is not None else None
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, name: str) -> torch.Tensor | None:
+    """This rank's shard of an optimizer state ("exp_avg", "exp_avg_sq")."""
+    sp = require_sharded(param, "safe_get_local_optimizer_state")
+    if sp.hp_slot is None:
+        return None
+    if name not in sp.optim_slots:
+        raise ValueError(f"unknown optimizer state {name!r}; expected one of {sorted(sp.optim_slots)}")
+    return sp.optim_slots[name].view()
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The whole fp32 parameter, gathered from every rank's master shard (collective)."""
+    sp = require_sharded(param, "safe_get_full_fp32_param")
+    assert sp.unit is not None
+    shard = sp.hp_slot.view() if sp.hp_slot is not None else sp.lp_shard().float()
+    full = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
+    sp.unit.comm.all_gather_flat(full, shard.contiguous())
+    return full[: sp.numel].view(sp.shape)

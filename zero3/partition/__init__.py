@@ -1,0 +1,1 @@
+"""Partitioned parameters: shard geometry, gather units, Init, GatheredParameters."""

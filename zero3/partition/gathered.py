@@ -1,0 +1,75 @@
+"""`GatheredParameters`: whole parameters inside a `with` block."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+
+import torch
+
+from zero3.partition.sharded_param import sharded
+from zero3.partition.unit import GatherUnit
+
+
+class GatheredParameters:
+    """Gather `params` on entry and release them on exit.
+
+    With `modifier_rank=r`, rank r's values on exit (edited in place inside the
+    block) are broadcast and become every rank's shards, fp32 master included.
+    Must be entered on every rank (it is collective). Tensors that are not
+    partitioned are accepted and left alone, as in DeepSpeed.
+    """
+
+    def __init__(
+        self,
+        params: torch.Tensor | Iterable[torch.Tensor | None] | None,
+        modifier_rank: int | None = None,
+        fwd_module: object | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        candidates = [p for p in (params or []) if p is not None]
+        for p in candidates:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"GatheredParameters: expected parameters, got {type(p).__name__}")
+        units: dict[int, GatherUnit] = {}
+        for p in candidates:
+            sp = sharded(p)
+            if sp is not None and sp.unit is not None:
+                units.setdefault(id(sp.unit), sp.unit)
+        self.units = list(units.values())
+        if modifier_rank is not None and self.units:
+            world = self.units[0].comm.world_size
+            if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world:
+                raise ValueError(f"GatheredParameters: modifier_rank={modifier_rank!r}, expected None or a rank in [0, {world})")
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+
+    def __enter__(self) -> "GatheredParameters":
+        if not self.enabled:
+            return self
+        for unit in self.units:
+            unit.pins += 1
+        for unit in self.units:  # issue every all-gather before waiting on any
+            unit.start_unshard(async_op=True)
+        for unit in self.units:
+            unit.wait()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                with torch.no_grad():
+                    for unit in self.units:
+                        assert unit.unsharded is not None
+                        unit.comm.broadcast(unit.unsharded, src=self.modifier_rank)
+                        unit.write_back()
+        finally:
+            for unit in self.units:
+                unit.pins -= 1
+                unit.release_if_unneeded()

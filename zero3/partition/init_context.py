@@ -1,0 +1,233 @@
+"""`zero3.Init`: partition parameters as each module's constructor finishes.
+
+[Note: writes after partitioning]
+A module's parameters are partitioned when its own constructor returns, so a
+model larger than one rank's memory can be built. A parent constructor that
+then re-initialises a child's weights (`self.apply(self._init_weights)`,
+`nn.init.normal_(self.fc.weight)`, `self.fc.weight.data.zero_()`) would write
+into a released, zero-element placeholder: DeepSpeed loses those writes
+silently. Here a torch-function mode watches every torch call made inside the
+context. A call that writes a partitioned parameter (an in-place method,
+`__setitem__`, or an `out=` argument) is run on the gathered full fp32 value,
+and the result is broadcast from rank 0 and re-sharded: the write takes effect,
+exactly as in a single process with the same seed. Shape queries answer with
+the true shape (`nn.init.kaiming_uniform_` needs fan-in). Any other read of a
+partitioned parameter raises an error that says to wrap the code in
+`GatheredParameters(..., modifier_rank=0)`. The mode is active only inside the
+context, so training pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from zero3 import accelerator, comm
+from zero3.config import Zero3Config, load_config
+from zero3.partition.partitioner import Partitioner
+from zero3.partition.sharded_param import ShardedParam
+
+_SHAPE_QUERIES = {"dim", "ndimension", "size", "numel", "nelement", "__len__", "shape", "ndim"}
+# Reads that depend only on dtype/device/autograd metadata, never on values.
+_METADATA_PASSTHROUGH = {
+    "data", "dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "is_cuda", "is_cpu",
+    "is_floating_point", "is_complex", "element_size", "new", "new_empty", "new_zeros", "new_ones",
+    "new_full", "new_tensor", "layout", "is_sparse", "is_quantized", "is_meta", "get_device", "_is_view",
+    "untyped_storage", "storage_offset", "is_contiguous", "stride", "__hash__", "__eq__" , "names",
+}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+
+
+# Attribute reads that make a view (and so could smuggle a write past the check).
+_VIEW_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}
+
+
+def _func_name(func: Callable[..., Any]) -> tuple[str, bool]:
+    """The function's name, and whether it is an attribute getter."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name), name == "__get__"
+    return name, False
+
+
+class _PartitionedWriteMode(TorchFunctionMode):
+    def __init__(self, init: "Init") -> None:
+        super().__init__()
+        self.init = init
+
+    def _lookup(self, value: Any) -> ShardedParam | None:
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            return self.init.placeholders.get(value.untyped_storage().data_ptr())
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        touched = [sp for sp in map(self._lookup, leaves) if sp is not None]
+        if not touched:
+            return func(*args, **kwargs)
+        name, is_getter = _func_name(func)
+        target = self._lookup(args[0]) if args else None
+        if target is not None and name in _SHAPE_QUERIES:
+            shape = target.shape
+            if name in ("numel", "nelement"):
+                return target.numel
+            if name in ("dim", "ndimension", "ndim"):
+                return len(shape)
+            if name == "__len__":
+                return shape[0]
+            if name == "size" and (len(args) > 1 or "dim" in kwargs):
+                return shape[args[1] if len(args) > 1 else kwargs["dim"]]
+            return shape
+        if name in _METADATA_PASSTHROUGH or (is_getter and name not in _VIEW_PROPERTIES):
+            return func(*args, **kwargs)
+        out_target = self._lookup(kwargs.get("out"))
+        writes = (target is not None and (name.endswith("_") and not name.endswith("__") or name in _INPLACE_DUNDERS)) or out_target is not None
+        if not writes:
+            sp = touched[0]
+            raise RuntimeError(
+                f"zero3.Init: `{name}` reads parameter {sp.name} (shape {tuple(sp.shape)}), which was "
+                "partitioned when its module's constructor finished. Wrap this code in "
+                "`with zero3.GatheredParameters(params, modifier_rank=0):` to read or edit whole parameters."
+            )
+        return self._apply_write(func, args, kwargs, touched, target or out_target)
+
+    def _apply_write(self, func, args, kwargs, touched: list[ShardedParam], written: ShardedParam):
+        fulls: dict[int, torch.Tensor] = {}
+        for sp in touched:
+            if id(sp) not in fulls:
+                fulls[id(sp)] = self.init.gather_fp32(sp)
+
+        def swap(value: Any) -> Any:
+            sp = self._lookup(value)
+            return fulls[id(sp)] if sp is not None else value
+
+        with torch.no_grad():
+            func(*tree_map(swap, args), **tree_map(swap, kwargs))
+            full = fulls[id(written)]
+            self.init.comm.broadcast(full, src=0)
+            written.write_full(full)
+        return args[0] if args and self._lookup(args[0]) is written else kwargs.get("out")
+
+
+class Init:
+    """Partition parameters as modules are constructed.
+
+    `config` is the engine config (dict, JSON path, or Zero3Config); its
+    precision picks the 16-bit dtype of the shards. `dtype` overrides it.
+    `enabled=False` makes the context a no-op (the engine partitions later).
+    """
+
+    _active: list["Init"] = []
+
+    def __init__(
+        self,
+        config: dict | str | Zero3Config | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        enabled: bool = True,
+    ) -> None:
+        cfg = load_config(config if config is not None else {})
+        self.enabled = enabled
+        self.device = torch.device(device) if device is not None else accelerator.default_device()
+        self.dtype = dtype or cfg.compute_dtype
+        self.placeholders: dict[int, ShardedParam] = {}
+        self._constructing: set[int] = set()
+        self._patched: list[tuple[type, Callable[..., None]]] = []
+        self._orig_init_subclass: Any = None
+        self._mode: _PartitionedWriteMode | None = None
+        self._device_ctx: torch.device | None = None
+        self.comm: comm.Communicator | None = None
+        self.partitioner: Partitioner | None = None
+
+    # ---- constructor interception ---------------------------------------
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_zero3_wrapped", False):
+            return
+        init_ctx = self
+
+        def wrapped_init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            key = id(module)
+            outermost = key not in init_ctx._constructing
+            init_ctx._constructing.add(key)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                if outermost:
+                    init_ctx._constructing.discard(key)
+            if outermost:
+                init_ctx._on_module_built(module)
+
+        wrapped_init._zero3_wrapped = True  # type: ignore[attr-defined]
+        wrapped_init.__wrapped__ = original  # type: ignore[attr-defined]
+        cls.__init__ = wrapped_init  # type: ignore[misc]
+        self._patched.append((cls, original))
+
+    def _on_module_built(self, module: nn.Module) -> None:
+        assert self.partitioner is not None
+        unit = self.partitioner.partition_module(module, type(module).__name__)
+        if unit is not None:
+            for sp in unit.params:
+                self.placeholders[sp.placeholder.untyped_storage().data_ptr()] = sp
+
+    def gather_fp32(self, sp: ShardedParam) -> torch.Tensor:
+        """The full fp32 value of a partitioned parameter (collective)."""
+        assert self.comm is not None and sp.hp_seed is not None
+        out = torch.empty(sp.padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather_flat(out, sp.hp_seed)
+        return out[: sp.numel].view(sp.shape).clone()
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        if Init._active:
+            raise RuntimeError("zero3.Init contexts cannot be nested")
+        accelerator.set_device(self.device)
+        comm.init_distributed(self.device)
+        self.comm = comm.Communicator()
+        self.partitioner = Partitioner(self.comm, self.device, self.dtype)
+
+        stack = [nn.Module]
+        while stack:
+            cls = stack.pop()
+            self._wrap(cls)
+            stack.extend(cls.__subclasses__())
+        init_ctx = self
+        self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            init_ctx._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+        self._device_ctx = self.device
+        self._device_mode = torch.device(self.device)
+        self._device_mode.__enter__()
+        self._mode = _PartitionedWriteMode(self)
+        self._mode.__enter__()
+        Init._active.append(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.enabled:
+            return
+        Init._active.remove(self)
+        assert self._mode is not None
+        self._mode.__exit__(exc_type, exc, tb)
+        self._device_mode.__exit__(exc_type, exc, tb)
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original  # type: ignore[misc]
+        self._patched.clear()
+        if self._orig_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[assignment]

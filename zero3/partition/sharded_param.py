@@ -1,0 +1,117 @@
+"""One partitioned parameter: its shard slots, its released placeholder, its status.
+
+The `nn.Parameter` object itself is kept (optimizers, tied weights and user
+references stay valid); only its `.data` changes: a view into its unit's
+gathered buffer while AVAILABLE, a zero-element placeholder otherwise. The one
+attribute added to the parameter is `_zero3`, pointing here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from zero3.enums import ParamStatus
+from zero3.partition.flat_buffer import Slot
+from zero3.partition.layout import shard_numel
+
+if TYPE_CHECKING:
+    from zero3.partition.unit import GatherUnit
+
+ATTR = "_zero3"
+
+
+class ShardedParam:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        name: str,
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.param = param
+        self.name = name
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.world_size = world_size
+        self.rank = rank
+        self.shard_numel = shard_numel(self.numel, world_size)
+        self.unit: GatherUnit | None = None
+        self.lp_slot: Slot | None = None
+        # Optimizer-side slots, set when an engine builds its optimizer.
+        self.hp_slot: Slot | None = None
+        self.grad_slot: Slot | None = None
+        self.optim_slots: dict[str, Slot] = {}
+        # fp32 copy of this rank's shard taken at partition time, so the master
+        # starts from the exact fp32 initialisation rather than a 16-bit round trip.
+        self.hp_seed: torch.Tensor | None = None
+        # Set by a runtime: called when the parameter is read through its
+        # module attribute, so a use outside its owner's forward gets gathered.
+        self.on_access: Callable[["ShardedParam"], None] | None = None
+        # A zero-element view of a private one-element storage: the storage pointer
+        # identifies this parameter's released state (see zero3.partition.init_context).
+        self.placeholder = torch.empty(1, dtype=dtype, device=device)[:0]
+        setattr(param, ATTR, self)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placeholder.dtype
+
+    @property
+    def status(self) -> ParamStatus:
+        assert self.unit is not None
+        return self.unit.status
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full value of the parameter, zero padded."""
+        flat = full.reshape(-1)
+        start = self.rank * self.shard_numel
+        end = min(start + self.shard_numel, self.numel)
+        shard = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
+        if end > start:
+            shard[: end - start].copy_(flat[start:end])
+        return shard
+
+    def lp_shard(self) -> torch.Tensor:
+        assert self.lp_slot is not None
+        return self.lp_slot.view()
+
+    def write_full(self, full: torch.Tensor) -> None:
+        """Store a new full value: this rank's shard goes to the 16-bit slot and the master."""
+        shard = self.shard_of(full.detach())
+        self.lp_shard().copy_(shard)
+        if self.hp_slot is not None:
+            self.hp_slot.view().copy_(shard)
+        elif self.hp_seed is not None:
+            self.hp_seed.copy_(shard)
+
+    def set_released(self) -> None:
+        self.param.data = self.placeholder
+
+    def set_full(self, full_view: torch.Tensor) -> None:
+        self.param.data = full_view
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.name}, shape={tuple(self.shape)}, shard={self.shard_numel})"
+
+
+def sharded(param: torch.Tensor) -> ShardedParam | None:
+    return getattr(param, ATTR, None)
+
+
+def require_sharded(param: torch.Tensor, what: str) -> ShardedParam:
+    sp = sharded(param)
+    if sp is None:
+        raise ValueError(
+            f"{what}: the tensor of shape {tuple(param.shape)} is not a zero3-partitioned parameter "
+            "(build the model under zero3.Init or pass it to zero3.initialize first)"
+        )
+    return sp

@@ -1,0 +1,364 @@
+"""The training engine: the object `zero3.initialize` returns."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from zero3 import accelerator
+from zero3.comm import Communicator
+from zero3.config import Zero3Config
+from zero3.partition import param_dict
+from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.partitioner import Partitioner
+from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
+from zero3.partition.unit import GatherUnit, UnitState
+from zero3.runtime.coordinator import ParamCoordinator
+from zero3.runtime.grad_reducer import GradientReducer
+from zero3.runtime.loss_scaler import build_loss_scaler
+from zero3.runtime.lr_schedules import build_lr_scheduler
+from zero3.runtime.optimizer import ZeroOptimizer
+
+log = logging.getLogger("zero3")
+
+
+class ZeroEngine:
+    """Wraps a model: partitioned parameters, hooks, gradient reduction, optimizer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Zero3Config,
+        comm: Communicator,
+        device: torch.device,
+        model_parameters: Iterable[Any] | None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        self.module = model
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.global_rank = comm.rank
+        self.world_size = comm.world_size
+        self.batch = config.resolve_batch(comm.world_size)
+        self.compute_dtype = config.compute_dtype
+        zc = config.zero_optimization
+
+        self._partition(model)
+        self.units, module_units, self.persistent_unit = self._build_units(model, zc.stage3_param_persistence_threshold)
+        self.lp_params = self._consolidate_lp()
+        self.sharded_params = [sp for unit in self.all_units for sp in unit.params]
+
+        self.loss_scaler = build_loss_scaler(config.fp16)
+        self.optimizer: ZeroOptimizer | None = None
+        if config.optimizer is not None:
+            groups = self._optimizer_groups(model, model_parameters)
+            self.optimizer = ZeroOptimizer(
+                groups, config.optimizer, comm, device, self.compute_dtype, zc.sub_group_size,
+                config.gradient_clipping, self.loss_scaler,
+            )
+        for sp in self.sharded_params:
+            sp.hp_seed = None  # frozen parameters keep no master
+
+        trainable = [sp for sp in self.sharded_params if sp.grad_slot is not None]
+        self.reducer = GradientReducer(
+            comm, self.compute_dtype, device, zc.reduce_bucket_size,
+            max((sp.padded_numel for sp in trainable), default=0),
+            sum(sp.padded_numel for sp in trainable), zc.overlap_comm,
+        )
+        self.coordinator = ParamCoordinator(
+            model, self.units, module_units, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters
+        )
+        self.coordinator.install()
+        self._grad_hook_handles = self._install_grad_hooks()
+        if self.persistent_unit is not None:
+            self.persistent_unit.unshard()
+
+        self.lr_scheduler = None
+        if self.optimizer is not None:
+            if lr_scheduler is not None:
+                self.lr_scheduler = lr_scheduler(self.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+            elif config.scheduler is not None:
+                self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer.optimizer)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._destroyed = False
+
+    # ---- construction ------------------------------------------------------------
+    def _partition(self, model: nn.Module) -> None:
+        """Partition what zero3.Init did not, move buffers, and name every parameter."""
+        partitioner = Partitioner(self.comm, self.device, self.compute_dtype)
+        for name, module in model.named_modules():
+            partitioner.partition_module(module, name)
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != self.device:
+                    module._buffers[key] = buf.to(self.device)
+        for name, param in model.named_parameters():
+            sp = sharded(param)
+            assert sp is not None
+            sp.name = name
+            if sp.dtype != self.compute_dtype or sp.placeholder.device != self.device:
+                raise ValueError(
+                    f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
+                    f"computes in {self.compute_dtype} on {self.device}: pass the same config to zero3.Init"
+                )
+
+    def _build_units(
+        self, model: nn.Module, threshold: int
+    ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
+        """One unit per module (its first-owned parameters), one for all persistent ones."""
+        seen: set[int] = set()
+        units: list[GatherUnit] = []
+        persistent: list[ShardedParam] = []
+        for name, module in model.named_modules():
+            own: list[ShardedParam] = []
+            for param in module._parameters.values():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                sp = sharded(param)
+                assert sp is not None
+                (persistent if sp.numel <= threshold else own).append(sp)
+            if own:
+                units.append(GatherUnit(own, self.comm, name or type(module).__name__))
+        persistent_unit = None
+        if persistent:
+            persistent_unit = GatherUnit(persistent, self.comm, "<persistent>")
+            persistent_unit.persistent = True
+        module_units: dict[nn.Module, list[GatherUnit]] = {}
+        for module in model.modules():
+            needed: list[GatherUnit] = []
+            for param in module._parameters.values():
+                sp = sharded(param) if param is not None else None
+                if sp is not None and sp.unit is not None and not sp.unit.persistent and sp.unit not in needed:
+                    needed.append(sp.unit)
+            module_units[module] = needed
+        return units, module_units, persistent_unit
+
+    @property
+    def all_units(self) -> list[GatherUnit]:
+        return self.units + ([self.persistent_unit] if self.persistent_unit is not None else [])
+
+    def _consolidate_lp(self) -> FlatBuffer:
+        """Move every unit's shards into ONE flat 16-bit buffer (the `lp_params` state)."""
+        total = sum(unit.shard_numel for unit in self.all_units)
+        flat = FlatBuffer.zeros("lp_params", total, self.compute_dtype, self.device)
+        cursor = 0
+        for unit in self.all_units:
+            shards = [sp.lp_shard() for sp in unit.params]
+            unit.assign_lp(flat, cursor)
+            torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
+            cursor += unit.shard_numel
+        return flat
+
+    def _optimizer_groups(
+        self, model: nn.Module, model_parameters: Iterable[Any] | None
+    ) -> list[tuple[list[ShardedParam], dict[str, Any]]]:
+        entries = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        if entries and all(isinstance(e, dict) for e in entries):
+            raw_groups = [(list(e["params"]), {k: v for k, v in e.items() if k != "params"}) for e in entries]
+        elif all(isinstance(e, torch.Tensor) for e in entries):
+            raw_groups = [(entries, {})]
+        else:
+            raise TypeError("model_parameters must be parameters or parameter-group dicts with a 'params' key")
+        owned = {id(sp.param) for sp in self.sharded_params}
+        seen: set[int] = set()
+        groups: list[tuple[list[ShardedParam], dict[str, Any]]] = []
+        for params, options in raw_groups:
+            sps: list[ShardedParam] = []
+            for param in params:
+                if id(param) not in owned:
+                    raise ValueError(
+                        f"model_parameters holds a tensor of shape {tuple(param.shape)} that is not a parameter of the model"
+                    )
+                if id(param) in seen or not param.requires_grad:
+                    continue
+                seen.add(id(param))
+                sps.append(sharded(param))  # type: ignore[arg-type]
+            groups.append((sps, options))
+        return groups
+
+    def _install_grad_hooks(self) -> list[Any]:
+        handles = []
+        for sp in self.sharded_params:
+            if not sp.param.requires_grad:
+                continue
+            proxy = torch.empty(1, dtype=sp.dtype, device=self.device).expand(sp.shape)
+            handles.append(sp.param.register_hook(self._make_pre_accumulate(sp, proxy)))
+            handles.append(sp.param.register_post_accumulate_grad_hook(self._make_post_accumulate(sp)))
+        return handles
+
+    def _make_pre_accumulate(self, sp: ShardedParam, proxy: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            # Autograd accumulates into a tensor of the parameter's shape; a
+            # released parameter gets a storage-free stand-in of that shape.
+            if sp.unit is not None and sp.unit.state is not UnitState.UNSHARDED:
+                sp.param.data = proxy
+            return None
+
+        return hook
+
+    def _make_post_accumulate(self, sp: ShardedParam):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            unit = sp.unit
+            assert unit is not None
+            if unit.state is UnitState.SHARDED:
+                sp.set_released()
+            if grad is None:
+                return
+            if sp.grad_slot is None:
+                log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
+            else:
+                self.reducer.add(sp, grad)
+            unit.pending_grads -= 1
+            if unit.pending_grads == 0:
+                self.coordinator.on_unit_grads_done(unit)
+
+        return hook
+
+    # ---- training API -------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        if self.compute_dtype != torch.float32:
+            # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
+            def cast(value: Any) -> Any:
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    return value.to(self.compute_dtype)
+                return value
+
+            args, kwargs = tree_map(cast, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale)."""
+        self._check_alive()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
+                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        if self.optimizer is None:
+            raise RuntimeError("engine.backward needs an optimizer: the config has no 'optimizer' section")
+        factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        self.coordinator.begin_backward()
+        try:
+            scaled.backward(retain_graph=retain_graph)
+            self.reducer.finalize()
+        finally:
+            self.coordinator.end_backward()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Count a micro-step; at the accumulation boundary, step the optimizer."""
+        self._check_alive()
+        if self.optimizer is None:
+            raise RuntimeError("engine.step needs an optimizer: the config has no 'optimizer' section")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self.coordinator.release_all()
+        stepped, norm = self.optimizer.step()
+        self.last_grad_norm = norm
+        if stepped:
+            self._refresh_gathered()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
+        self.global_steps += 1
+
+    def _refresh_gathered(self) -> None:
+        """Units still gathered (persistent, pinned) get the new values."""
+        for unit in self.all_units:
+            if unit.state is not UnitState.SHARDED:
+                unit.reshard()
+                unit.unshard()
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # ---- accounting -----------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model state, by state (the 16P/N of ZeRO-3)."""
+        states = {"lp_params": self.lp_params.nbytes, "hp_params": 0, "lp_grads": 0, "optim_states": 0}
+        if self.optimizer is not None:
+            states.update(self.optimizer.state_bytes())
+        states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
+        states["total"] = sum(states.values())
+        states["contiguous_grad_buffer"] = self.reducer.scratch.nbytes if self.reducer.scratch is not None else 0
+        return states
+
+    # ---- teardown ---------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this zero3 engine was destroyed")
+
+    def destroy(self) -> None:
+        """Remove every hook and free every buffer. The engine is unusable afterwards."""
+        if self._destroyed:
+            return
+        self.coordinator.release_all()
+        self.coordinator.remove()
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles.clear()
+        for unit in self.all_units:
+            unit.persistent = False
+            unit.pins = 0
+            unit.reshard()
+        for module in self.module.modules():
+            param_dict.uninstall(module)
+        for sp in self.sharded_params:
+            sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
+            if hasattr(sp.param, ATTR):
+                delattr(sp.param, ATTR)
+            sp.unit = None
+            sp.lp_slot = sp.hp_slot = sp.grad_slot = None
+            sp.optim_slots = {}
+        self.reducer.scratch = None
+        self.lp_params.tensor = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        if self.optimizer is not None:
+            self.optimizer.optimizer.state.clear()
+            self.optimizer.optimizer.param_groups.clear()
+            self.optimizer.sub_groups.clear()
+            self.optimizer.params.clear()
+            self.optimizer = None
+        self.lr_scheduler = None
+        self.units = []
+        self.persistent_unit = None
+        self.sharded_params = []
+        self._destroyed = True
+        accelerator.synchronize(self.device)

@@ -1,0 +1,160 @@
+"""The sharded optimizer: fp32 master shards, flat moments, clipping, loss scaling.
+
+[Note: optimizer layout]
+Trainable parameters are laid out in optimizer-group order in four flat
+buffers with one shared offset map: `hp_params` (fp32 master), `lp_grads`
+(16-bit reduced gradients), and `exp_avg` / `exp_avg_sq` (the
+`optim_states`). Each group is cut into sub-groups of at most
+`sub_group_size` elements at parameter boundaries; a sub-group is one
+parameter of torch's own Adam/AdamW (fused on CUDA, foreach on CPU) whose
+storage is a view of `hp_params`, and whose moments are views of the moment
+buffers, placed in the optimizer state before the first step. Stepping a
+sub-group needs its fp32 gradient only while it steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.comm import Communicator
+from zero3.config import OptimizerConfig
+from zero3.partition.flat_buffer import FlatBuffer, Slot
+from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class SubGroup:
+    group_index: int
+    offset: int
+    numel: int
+    params: list[ShardedParam]
+    master: nn.Parameter
+
+
+class ZeroOptimizer:
+    """Steps this rank's shards. `param_groups` are torch's, so schedulers work."""
+
+    def __init__(
+        self,
+        groups: list[tuple[list[ShardedParam], dict[str, Any]]],
+        config: OptimizerConfig,
+        comm: Communicator,
+        device: torch.device,
+        lp_dtype: torch.dtype,
+        sub_group_size: int,
+        gradient_clipping: float,
+        loss_scaler: LossScaler | DynamicLossScaler,
+    ) -> None:
+        self.comm = comm
+        self.device = device
+        self.gradient_clipping = gradient_clipping
+        self.loss_scaler = loss_scaler
+        self.params = [sp for sps, _ in groups for sp in sps]
+        total = sum(sp.shard_numel for sp in self.params)
+        self.hp_params = FlatBuffer.zeros("hp_params", total, torch.float32, device)
+        self.lp_grads = FlatBuffer.zeros("lp_grads", total, lp_dtype, device)
+        self.moments = {name: FlatBuffer.zeros(name, total, torch.float32, device) for name in MOMENTS}
+
+        self.sub_groups: list[SubGroup] = []
+        torch_groups: list[dict[str, Any]] = []
+        cursor = 0
+        for group_index, (sps, options) in enumerate(groups):
+            masters: list[nn.Parameter] = []
+            for run in _split(sps, sub_group_size):
+                start = cursor
+                for sp in run:
+                    sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
+                    sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
+                    sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
+                    sp.hp_slot.view().copy_(sp.hp_seed if sp.hp_seed is not None else sp.lp_shard())
+                    sp.hp_seed = None
+                    cursor += sp.shard_numel
+                master = nn.Parameter(self.hp_params.view(start, cursor - start))
+                self.sub_groups.append(SubGroup(group_index, start, cursor - start, run, master))
+                masters.append(master)
+            torch_groups.append({"params": masters, **options})
+
+        decoupled = config.decoupled_weight_decay
+        fused = device.type == "cuda"
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        p = config.params
+        self.optimizer = cls(
+            torch_groups, lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
+            fused=fused or None, foreach=None if fused else True,
+        )
+        for sub in self.sub_groups:
+            step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+            state = {"step": step}
+            state.update({name: buf.view(sub.offset, sub.numel) for name, buf in self.moments.items()})
+            self.optimizer.state[sub.master] = state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    # ---- gradients -----------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.lp_grads.tensor.zero_()
+
+    def global_grad_norm(self) -> float:
+        """The L2 norm of the (still loss-scaled) reduced gradients over all ranks; inf/nan on overflow."""
+        local = torch.linalg.vector_norm(self.lp_grads.tensor, 2, dtype=torch.float32).pow(2).reshape(1)
+        return math.sqrt(self.comm.all_reduce_sum(local).item()) if local.numel() else 0.0
+
+    # ---- step ------------------------------------------------------------------
+    def step(self) -> tuple[bool, float]:
+        """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow."""
+        scale = self.loss_scaler.loss_scale
+        norm = self.global_grad_norm()
+        overflow = not math.isfinite(norm)
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            return False, norm
+        norm /= scale
+        coefficient = 1.0 / scale
+        if self.gradient_clipping > 0:
+            coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+        for sub in self.sub_groups:
+            grad = self.lp_grads.view(sub.offset, sub.numel).to(torch.float32, copy=True)
+            if coefficient != 1.0:
+                grad.mul_(coefficient)
+            sub.master.grad = grad
+            self.optimizer.step()
+            sub.master.grad = None
+        lp = [sp.lp_shard() for sp in self.params]
+        hp = [sp.hp_slot.view() for sp in self.params]  # type: ignore[union-attr]
+        if lp:
+            torch._foreach_copy_(lp, hp)
+        self.zero_grad()
+        return True, norm
+
+    def state_bytes(self) -> dict[str, int]:
+        return {
+            "hp_params": self.hp_params.nbytes,
+            "lp_grads": self.lp_grads.nbytes,
+            "optim_states": sum(buf.nbytes for buf in self.moments.values()),
+        }
+
+
+def _split(sps: list[ShardedParam], limit: int) -> list[list[ShardedParam]]:
+    runs: list[list[ShardedParam]] = []
+    current: list[ShardedParam] = []
+    size = 0
+    for sp in sps:
+        if current and size + sp.shard_numel > limit:
+            runs.append(current)
+            current, size = [], 0
+        current.append(sp)
+        size += sp.shard_numel
+    if current:
+        runs.append(current)
+    return runs
