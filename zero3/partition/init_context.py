@@ -63,9 +63,12 @@ class _PartitionedWriteMode(TorchFunctionMode):
         self.init = init
 
     def _lookup(self, value: Any) -> ShardedParam | None:
-        if isinstance(value, torch.Tensor) and value.numel() == 0:
+        if not isinstance(value, torch.Tensor):
+            return None
+        with torch._C.DisableTorchFunction():  # plain answers, not the mode's true-shape ones
+            if value.numel() != 0:
+                return None
             return self.init.placeholders.get(value.untyped_storage().data_ptr())
-        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -74,7 +77,9 @@ class _PartitionedWriteMode(TorchFunctionMode):
         if not touched:
             return func(*args, **kwargs)
         name, is_getter = _func_name(func)
-        target = self._lookup(args[0]) if args else None
+        # torch.nn.init functions pass the tensor by keyword (`tensor=`).
+        first = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+        target = self._lookup(first)
         if target is not None and name in _SHAPE_QUERIES:
             shape = target.shape
             if name in ("numel", "nelement"):
@@ -97,9 +102,9 @@ class _PartitionedWriteMode(TorchFunctionMode):
                 "partitioned when its module's constructor finished. Wrap this code in "
                 "`with zero3.GatheredParameters(params, modifier_rank=0):` to read or edit whole parameters."
             )
-        return self._apply_write(func, args, kwargs, touched, target or out_target)
+        return self._apply_write(func, args, kwargs, touched, target or out_target, first)
 
-    def _apply_write(self, func, args, kwargs, touched: list[ShardedParam], written: ShardedParam):
+    def _apply_write(self, func, args, kwargs, touched: list[ShardedParam], written: ShardedParam, first: Any):
         fulls: dict[int, torch.Tensor] = {}
         for sp in touched:
             if id(sp) not in fulls:
@@ -114,7 +119,8 @@ class _PartitionedWriteMode(TorchFunctionMode):
             full = fulls[id(written)]
             self.init.comm.broadcast(full, src=0)
             written.write_full(full)
-        return args[0] if args and self._lookup(args[0]) is written else kwargs.get("out")
+        # In-place functions return their target: the (still partitioned) parameter.
+        return first if self._lookup(first) is written else kwargs.get("out")
 
 
 class Init:
@@ -142,6 +148,7 @@ class Init:
         self._constructing: set[int] = set()
         self._patched: list[tuple[type, Callable[..., None]]] = []
         self._orig_init_subclass: Any = None
+        self._patched_init_functions: list[tuple[str, Callable[..., Any]]] = []
         self._mode: _PartitionedWriteMode | None = None
         self._device_ctx: torch.device | None = None
         self.comm: comm.Communicator | None = None
@@ -178,6 +185,26 @@ class Init:
             for sp in unit.params:
                 self.placeholders[sp.placeholder.untyped_storage().data_ptr()] = sp
 
+    def _patch_nn_init(self, mode: _PartitionedWriteMode) -> None:
+        """Run `torch.nn.init.*_` on whole values when handed a partitioned parameter.
+
+        Some of them (trunc_normal_) read the tensor between their in-place
+        steps, so the per-operation path of the mode cannot serve them.
+        """
+        for fname in dir(nn.init):
+            function = getattr(nn.init, fname)
+            if fname.startswith("_") or not fname.endswith("_") or not callable(function):
+                continue
+
+            def patched(tensor: torch.Tensor, *args: Any, _function=function, **kwargs: Any) -> Any:
+                sp = mode._lookup(tensor)
+                if sp is None:
+                    return _function(tensor, *args, **kwargs)
+                return mode._apply_write(_function, (tensor, *args), kwargs, [sp], sp, tensor)
+
+            setattr(nn.init, fname, patched)
+            self._patched_init_functions.append((fname, function))
+
     def gather_fp32(self, sp: ShardedParam) -> torch.Tensor:
         """The full fp32 value of a partitioned parameter (collective)."""
         assert self.comm is not None and sp.hp_seed is not None
@@ -211,6 +238,7 @@ class Init:
         self._device_mode = torch.device(self.device)
         self._device_mode.__enter__()
         self._mode = _PartitionedWriteMode(self)
+        self._patch_nn_init(self._mode)
         self._mode.__enter__()
         Init._active.append(self)
         return self
@@ -224,6 +252,9 @@ class Init:
         assert self._mode is not None
         self._mode.__exit__(exc_type, exc, tb)
         self._device_mode.__exit__(exc_type, exc, tb)
+        for fname, function in self._patched_init_functions:
+            setattr(nn.init, fname, function)
+        self._patched_init_functions.clear()
         for cls, original in reversed(self._patched):
             cls.__init__ = original  # type: ignore[misc]
         self._patched.clear()

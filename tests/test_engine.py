@@ -1,0 +1,260 @@
+"""Engine behaviour beyond loss parity: precision, accounting, coalescing, status, teardown."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+
+
+def cfg(**extra: object) -> dict:
+    zero = extra.pop("zero", {})
+    base = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    base.update(extra)
+    return base
+
+
+# ---- fp16 with dynamic loss scaling --------------------------------------------------
+def fp16_overflow(rank: int, world: int) -> dict:
+    config = cfg(fp16={"enabled": True, "initial_scale_power": 12, "hysteresis": 1}, gradient_clipping=1.0,
+                 optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}})
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=config)
+    data = models.batches("x8", 1, 4 * world) * 6  # one batch, so the loss must fall
+    losses, scales, snapshots = [], [], []
+    for step, (x, y) in enumerate(data):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = engine(x, y)
+        if step == 3 and rank == world - 1:
+            loss = loss * float("inf")  # an overflow on one rank only
+        scales.append(engine.loss_scale)
+        before = zero3.safe_get_full_fp32_param(model.fc1.weight).clone()
+        engine.backward(loss)
+        engine.step()
+        after = zero3.safe_get_full_fp32_param(model.fc1.weight)
+        snapshots.append(torch.equal(before, after))
+        losses.append(loss.item())
+    result = {"losses": losses, "scales": scales, "unchanged": snapshots, "skipped": engine.skipped_steps,
+              "dtype": zero3.safe_get_local_lp_param(model.fc1.weight).dtype}
+    engine.destroy()
+    return result
+
+
+def test_fp16_dynamic_scaling_skips_an_injected_overflow_on_every_rank() -> None:
+    for result in run_ranks(2, fp16_overflow):
+        assert result["dtype"] == torch.float16
+        assert result["skipped"] == 1
+        assert result["unchanged"] == [False, False, False, True, False, False]
+        assert result["scales"][3] == 2.0**12 and result["scales"][4] == 2.0**11
+        finite = [l for i, l in enumerate(result["losses"]) if i != 3]
+        assert all(torch.isfinite(torch.tensor(finite)))
+        assert finite[-1] < finite[0]
+
+
+# ---- accounting ---------------------------------------------------------------------
+def state_bytes(rank: int, world: int, threshold: int) -> dict:
+    config = cfg(bf16={"enabled": True}, zero={"stage3_param_persistence_threshold": threshold})
+    torch.manual_seed(0)
+    with zero3.Init(config=config):
+        model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=2)
+    numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p._zero3.numel for p in model.parameters())
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x, y = models.batches("tokens", 1, 4)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    result = {"bytes": engine.model_state_bytes(), "numel": numel}
+    engine.destroy()
+    return result
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_model_state_is_16P_over_N(world: int) -> None:
+    for result in run_ranks(world, state_bytes, 0):
+        expected = 16 * result["numel"] / world
+        states = result["bytes"]
+        model_state = states["lp_params"] + states["hp_params"] + states["lp_grads"] + states["optim_states"]
+        assert abs(model_state - expected) / expected <= 0.05, (states, expected)
+        assert states["lp_params"] == pytest.approx(2 * result["numel"] / world, rel=0.05)
+        assert states["optim_states"] == pytest.approx(8 * result["numel"] / world, rel=0.05)
+        assert states["persistent_params"] == 0
+
+
+def test_persistent_params_stay_whole_and_are_counted() -> None:
+    for result in run_ranks(2, state_bytes, 100):
+        states = result["bytes"]
+        assert states["persistent_params"] > 0  # LayerNorm weights and biases stay whole
+        assert states["total"] == sum(v for k, v in states.items() if k not in ("total", "contiguous_grad_buffer"))
+
+
+# ---- coalescing and status ---------------------------------------------------------
+def count_collectives(rank: int, world: int) -> dict:
+    import zero3.comm as comm
+
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    real_ag, real_rs = comm._all_gather_flat, comm._reduce_scatter_flat
+
+    def all_gather(*a, **k):
+        calls["all_gather"] += 1
+        return real_ag(*a, **k)
+
+    def reduce_scatter(*a, **k):
+        calls["reduce_scatter"] += 1
+        return real_rs(*a, **k)
+
+    comm._all_gather_flat, comm._reduce_scatter_flat = all_gather, reduce_scatter
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    statuses: list[tuple[str, zero3.ParamStatus, zero3.ParamStatus]] = []
+
+    params = dict(model.named_parameters())  # iteration does not gather; attribute reads would
+
+    def watch(module: nn.Module, args: object) -> None:
+        statuses.append(("fc2", zero3.param_status(params["fc2.weight"]), zero3.param_status(params["fc3.weight"])))
+
+    model.fc2.register_forward_pre_hook(watch)  # runs after the engine's own pre-hook
+    x, y = models.batches("x8", 1, 4)[0]
+    calls.update(all_gather=0, reduce_scatter=0)
+    engine.backward(engine(x, y))
+    first = dict(calls)
+    engine.step()
+    after_step = zero3.param_status(model.fc1.weight)
+    engine.destroy()
+    return {"first": first, "statuses": statuses, "after_step": after_step}
+
+
+def test_one_all_gather_per_module_and_one_reduce_scatter_per_bucket() -> None:
+    for result in run_ranks(2, count_collectives):
+        # 3 Linear modules, each gathered as ONE flat all-gather (weight and bias together) in
+        # forward, and again in backward; all 6 gradients travel in ONE reduce-scatter.
+        assert result["first"] == {"all_gather": 6, "reduce_scatter": 1}
+        name, fc2_status, fc3_status = result["statuses"][0]
+        assert fc2_status is zero3.ParamStatus.AVAILABLE  # inside its own forward
+        assert fc3_status is zero3.ParamStatus.NOT_AVAILABLE  # not fetched yet (no trace on step 1)
+        assert result["after_step"] is zero3.ParamStatus.NOT_AVAILABLE
+
+
+def prefetch_status(rank: int, world: int) -> list:
+    torch.manual_seed(0)
+    model = models.MLP()
+    config = cfg(zero={"stage3_prefetch_bucket_size": 10_000})
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seen = []
+    fc2_weight = dict(model.named_parameters())["fc2.weight"]
+    model.fc1.register_forward_hook(lambda m, a, o: seen.append(zero3.param_status(fc2_weight)))
+    for x, y in models.batches("x8", 3, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.destroy()
+    return seen
+
+
+def test_prefetch_puts_the_next_module_in_flight_after_the_first_step() -> None:
+    for seen in run_ranks(2, prefetch_status):
+        assert seen[0] is zero3.ParamStatus.NOT_AVAILABLE
+        assert seen[1] in (zero3.ParamStatus.INFLIGHT, zero3.ParamStatus.AVAILABLE)
+        assert seen[1] is not zero3.ParamStatus.NOT_AVAILABLE
+
+
+# ---- GatheredParameters after initialize ---------------------------------------------
+def edit_after_initialize(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    with zero3.GatheredParameters([model.fc1.bias], modifier_rank=0):
+        assert model.fc1.bias.shape == (64,)
+        with torch.no_grad():
+            model.fc1.bias.fill_(3.0)
+    master = zero3.safe_get_full_fp32_param(model.fc1.bias).clone()
+    lp = zero3.safe_get_local_lp_param(model.fc1.bias).clone()
+    released = model.fc1.bias.numel() == 0
+    engine.destroy()
+    return {"master": master, "lp": lp, "released": released}
+
+
+def test_gathered_parameters_modifier_updates_shards_and_master() -> None:
+    for result in run_ranks(2, edit_after_initialize):
+        assert result["master"].eq(3.0).all()  # the fp32 master, not only the 16-bit copy
+        assert result["lp"].eq(3.0).all()
+        assert result["released"]
+
+
+# ---- teardown ---------------------------------------------------------------------
+def test_destroy_removes_hooks_and_frees_everything() -> None:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    x, y = models.batches("x8", 1, 4)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.destroy()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not hasattr(p, "_zero3") and p.numel() == 0 for p in model.parameters())
+    assert all(type(m._parameters) is dict for m in model.modules())
+    with pytest.raises(RuntimeError, match="destroyed"):
+        engine(x, y)
+    engine_ref, model_ref = weakref.ref(engine), weakref.ref(model)
+    del engine, model
+    gc.collect()
+    assert engine_ref() is None and model_ref() is None
+
+
+# ---- process group and errors -----------------------------------------------------------
+def test_plain_process_without_launcher_is_a_world_of_one() -> None:
+    script = (
+        "import torch, zero3; from torch import nn\n"
+        "m = nn.Linear(4, 2)\n"
+        "e, o, _, s = zero3.initialize(model=m, model_parameters=m.parameters(), config={'optimizer': {'type': 'Adam'}})\n"
+        "l = e(torch.randn(3, 4)).sum(); e.backward(l); e.step()\n"
+        "print('world', e.world_size, e.global_rank, e.global_steps)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "world 1 0 1" in out.stdout
+
+
+def errors(rank: int, world: int) -> list[str]:
+    model = nn.Linear(4, 2)
+    messages = []
+    for call in (
+        lambda: zero3.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg()),
+        lambda: zero3.initialize(model=model, model_parameters=[torch.zeros(3, requires_grad=True)], config=cfg()),
+        lambda: zero3.initialize(model=model, config={"zero_optimization": {"stage": 2}}),
+    ):
+        try:
+            call()
+        except (ValueError, TypeError) as err:
+            messages.append(str(err))
+    engine, *_ = zero3.initialize(model=nn.Linear(4, 2), config=cfg())
+    try:
+        engine.backward(engine(torch.randn(3, 4)))
+    except ValueError as err:
+        messages.append(str(err))
+    engine.destroy()
+    return messages
+
+
+def test_misuse_gives_clear_errors() -> None:
+    messages = run_ranks(1, errors)[0]
+    assert len(messages) == 4, messages
+    assert "client optimizer (SGD)" in messages[0]
+    assert "not a parameter of the model" in messages[1]
+    assert "zero_optimization.stage" in messages[2]
+    assert "scalar loss" in messages[3] and "(3, 2)" in messages[3]

@@ -1,0 +1,137 @@
+"""zero3.Init: partition at construction; writes after partitioning take effect or raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zero3
+from tests.distributed import run_ranks
+
+CFG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+class Child(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 10)
+        self.norm = nn.LayerNorm(10)
+
+
+class ReinitParent(nn.Module):
+    """A parent constructor that re-initialises its children's weights in every common way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Child()
+        self.b = Child()
+        self.head = nn.Linear(10, 7)
+        self.apply(self._init_weights)  # HF-style: .data.normal_ / .data.zero_
+        nn.init.kaiming_uniform_(self.b.fc.weight, a=0.1)  # needs the true shape (fan-in)
+        nn.init.trunc_normal_(self.head.weight, std=0.3)  # several in-place ops in a row
+        nn.init.constant_(self.b.norm.weight, 0.5)
+        with torch.no_grad():
+            self.a.norm.bias += 0.125  # an in-place operator
+            self.b.norm.bias[:3] = 2.0  # __setitem__ on a slice
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            module.bias.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b.norm(self.b.fc(x)) + self.a.norm(self.a.fc(x)))
+
+
+class ReadingParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Child()
+        self.total = self.child.fc.weight.sum()  # a read of a partitioned weight
+
+
+class GatheringParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Child()
+        with zero3.GatheredParameters(list(self.child.fc.parameters()), modifier_rank=0), torch.no_grad():
+            # whole values inside; rank 0's edit is kept on exit (other ranks' edits are not)
+            scale = 100 if torch.distributed.get_rank() == 0 else 1
+            self.child.fc.weight.copy_(torch.arange(120.0).view(10, 12) / scale)
+            self.child.fc.bias.fill_(-1.0)
+
+
+def build_and_compare(rank: int, world: int, cls_name: str) -> dict:
+    cls = {"reinit": ReinitParent, "gathering": GatheringParent}[cls_name]
+    torch.manual_seed(7)
+    reference = cls() if cls_name == "reinit" else None
+    torch.manual_seed(7)
+    with zero3.Init(config=CFG):
+        model = cls()
+    released = all(p.numel() == 0 for p in model.parameters())
+    statuses = {zero3.param_status(p) for p in model.parameters()}
+    shard_elems = sum(zero3.safe_get_local_lp_param(p).numel() for p in model.parameters())
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=CFG)
+    fulls = {n: zero3.safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    diffs = {}
+    if reference is not None:
+        diffs = {n: (fulls[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
+    engine.destroy()
+    return {"released": released, "statuses": statuses, "diffs": diffs, "fulls": fulls,
+            "shard_elems": shard_elems, "total": sum(f.numel() for f in fulls.values())}
+
+
+def test_parent_constructor_writes_take_effect_exactly() -> None:
+    for result in run_ranks(2, build_and_compare, "reinit"):
+        assert result["released"], "parameters must be partitioned when the constructor returns"
+        assert result["statuses"] == {zero3.ParamStatus.NOT_AVAILABLE}
+        # Same seed, same values as a model built without Init: every write landed.
+        assert max(result["diffs"].values()) == 0.0, result["diffs"]
+        assert result["fulls"]["b.norm.weight"].eq(0.5).all()
+        assert result["fulls"]["b.norm.bias"][:3].eq(2.0).all()
+        assert result["fulls"]["a.norm.bias"].eq(0.125).all()
+        # Each rank holds about half of the elements.
+        assert result["shard_elems"] <= result["total"] // 2 + 16
+
+
+def test_gathered_parameters_modifier_rank_inside_init() -> None:
+    results = run_ranks(2, build_and_compare, "gathering")
+    for result in results:
+        assert torch.equal(result["fulls"]["child.fc.weight"], torch.arange(120.0).view(10, 12) / 100)
+        assert result["fulls"]["child.fc.bias"].eq(-1.0).all()
+
+
+def read_in_constructor(rank: int, world: int) -> str:
+    with zero3.Init(config=CFG):
+        try:
+            ReadingParent()
+        except RuntimeError as err:
+            return str(err)
+    return ""
+
+
+def test_read_of_partitioned_param_in_constructor_raises_with_guidance() -> None:
+    for message in run_ranks(2, read_in_constructor):
+        assert "GatheredParameters" in message and "modifier_rank=0" in message
+        assert "Linear.weight" in message
+
+
+def test_init_restores_module_classes() -> None:
+    original = nn.Linear.__init__
+    with zero3.Init(config=CFG):
+        assert nn.Linear.__init__ is not original
+    assert nn.Linear.__init__ is original
+    plain = nn.Linear(3, 3)
+    assert plain.weight.numel() == 9 and not hasattr(plain.weight, "_zero3")
+
+
+def test_bad_modifier_rank_is_rejected_before_gathering() -> None:
+    with zero3.Init(config=CFG):
+        lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="modifier_rank=5"):
+        zero3.GatheredParameters(list(lin.parameters()), modifier_rank=5)
+    assert zero3.param_status(lin.weight) is zero3.ParamStatus.NOT_AVAILABLE
+    F.linear  # keep the import used
