@@ -36,6 +36,8 @@ class ReinitParent(nn.Module):
         with torch.no_grad():
             self.a.norm.bias += 0.125  # an in-place operator
             self.b.norm.bias[:3] = 2.0  # __setitem__ on a slice
+        self.a.fc.bias.data = torch.full((10,), 0.75)  # assignment to .data
+        self.b.fc.bias = nn.Parameter(torch.full((10,), -0.5))  # a whole new child parameter
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -93,6 +95,8 @@ def test_parent_constructor_writes_take_effect_exactly() -> None:
         assert result["fulls"]["b.norm.weight"].eq(0.5).all()
         assert result["fulls"]["b.norm.bias"][:3].eq(2.0).all()
         assert result["fulls"]["a.norm.bias"].eq(0.125).all()
+        assert result["fulls"]["a.fc.bias"].eq(0.75).all()
+        assert result["fulls"]["b.fc.bias"].eq(-0.5).all()
         # Each rank holds about half of the elements.
         assert result["shard_elems"] <= result["total"] // 2 + 16
 

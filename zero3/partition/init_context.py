@@ -91,6 +91,18 @@ class _PartitionedWriteMode(TorchFunctionMode):
             if name == "size" and (len(args) > 1 or "dim" in kwargs):
                 return shape[args[1] if len(args) > 1 else kwargs["dim"]]
             return shape
+        if name == "data" and func.__name__ == "__set__" and target is not None:
+            # `param.data = value`: the new value becomes the shards.
+            with torch.no_grad():
+                full = args[1].detach().to(self.init.device, torch.float32).clone()
+                if full.shape != target.shape:
+                    raise RuntimeError(
+                        f"zero3.Init: cannot assign a {tuple(full.shape)} tensor to the .data of "
+                        f"{target.name} (shape {tuple(target.shape)})"
+                    )
+                self.init.comm.broadcast(full, src=0)
+                target.write_full(full)
+            return None
         if name in _METADATA_PASSTHROUGH or (is_getter and name not in _VIEW_PROPERTIES):
             return func(*args, **kwargs)
         out_target = self._lookup(kwargs.get("out"))
@@ -179,11 +191,14 @@ class Init:
         self._patched.append((cls, original))
 
     def _on_module_built(self, module: nn.Module) -> None:
+        # Descendants too: a parent constructor may have replaced a child's
+        # parameter with a new, whole one (`self.fc.weight = nn.Parameter(...)`).
         assert self.partitioner is not None
-        unit = self.partitioner.partition_module(module, type(module).__name__)
-        if unit is not None:
-            for sp in unit.params:
-                self.placeholders[sp.placeholder.untyped_storage().data_ptr()] = sp
+        for sub in module.modules():
+            unit = self.partitioner.partition_module(sub, type(sub).__name__)
+            if unit is not None:
+                for sp in unit.params:
+                    self.placeholders[sp.placeholder.untyped_storage().data_ptr()] = sp
 
     def _patch_nn_init(self, mode: _PartitionedWriteMode) -> None:
         """Run `torch.nn.init.*_` on whole values when handed a partitioned parameter.

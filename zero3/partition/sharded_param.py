@@ -93,11 +93,15 @@ class ShardedParam:
         elif self.hp_seed is not None:
             self.hp_seed.copy_(shard)
 
+    # The engine's own `.data` swaps bypass torch-function modes: zero3.Init's
+    # mode treats a user's `.data =` on a partitioned parameter as a write.
     def set_released(self) -> None:
-        self.param.data = self.placeholder
+        with torch._C.DisableTorchFunction():
+            self.param.data = self.placeholder
 
     def set_full(self, full_view: torch.Tensor) -> None:
-        self.param.data = full_view
+        with torch._C.DisableTorchFunction():
+            self.param.data = full_view
 
     def __repr__(self) -> str:
         return f"ShardedParam({self.name}, shape={tuple(self.shape)}, shard={self.shard_numel})"

@@ -1,0 +1,131 @@
+"""The `zero3` command: its help, its config building, and one real 2-rank run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero3 import cli
+from zero3.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+TRAIN_OPTIONS = (
+    "--nproc", "--steps", "--micro-batch", "--grad-accum", "--block-size", "--n-layer",
+    "--n-head", "--n-embd", "--lr", "--precision", "--seed", "--config",
+    "--persistence-threshold", "--log-every",
+)
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_mentions_every_option(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(argv, capsys)
+    missing = [opt for opt in TRAIN_OPTIONS if opt not in text]
+    assert not missing, f"`zero3 {' '.join(argv)}` does not mention {missing}"
+
+
+def test_train_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = " ".join(_help(["train", "--help"], capsys).split())
+    for default in ("(default: 2)", "(default: 200)", "(default: bf16)", "(default: 0.001)"):
+        assert default in text
+
+
+def test_no_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+def _args(*argv: str) -> object:
+    return cli.build_parser().parse_args(["train", *argv])
+
+
+def test_built_config_is_valid_and_matches_options() -> None:
+    cfg = cli.build_config(_args("--micro-batch", "3", "--grad-accum", "2", "--lr", "0.01",
+                                 "--precision", "fp16", "--persistence-threshold", "500",
+                                 "--steps", "50"))
+    parsed = load_config(cfg)
+    batch = parsed.resolve_batch(4)
+    assert (batch.micro_batch_per_gpu, batch.gradient_accumulation_steps) == (3, 2)
+    assert batch.train_batch_size == 24
+    assert parsed.fp16.enabled and not parsed.bf16.enabled
+    assert parsed.gradient_clipping == 1.0
+    assert parsed.zero_optimization.stage3_param_persistence_threshold == 500
+    assert cfg["optimizer"] == {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}
+    warmup = cfg["scheduler"]["params"]
+    assert warmup["warmup_num_steps"] == 5 and warmup["warmup_type"] == "linear"
+    assert warmup["warmup_max_lr"] == 0.01
+
+
+def test_warmup_length_is_bounded() -> None:
+    assert cli.build_config(_args("--steps", "5000"))["scheduler"]["params"]["warmup_num_steps"] == 100
+    assert cli.build_config(_args("--steps", "4"))["scheduler"]["params"]["warmup_num_steps"] == 1
+
+
+def test_user_config_overrides_the_built_one() -> None:
+    built = cli.build_config(_args())  # bf16, micro 8, accum 1
+    merged = cli.merge_user_config(built, {
+        "fp16": {"enabled": True},
+        "train_batch_size": 64,
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+    })
+    # Setting fp16 takes the whole precision group: no clash with the built bf16.
+    assert "bf16" not in merged and merged["fp16"] == {"enabled": True}
+    # Setting train_batch_size takes the batch group: no clash with micro-batch 8.
+    assert "train_micro_batch_size_per_gpu" not in merged
+    # Nested sections merge key by key.
+    assert merged["zero_optimization"]["stage"] == 3
+    assert merged["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert load_config(merged).resolve_batch(2).micro_batch_per_gpu == 32
+
+
+def test_bad_options_fail_before_launching(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Each of these must be refused in the launching process (exit 2, a message
+    # naming the problem) without ever starting a worker.
+    assert cli.main(["train", "--n-embd", "30", "--n-head", "4"]) == 2
+    assert "divisible" in capsys.readouterr().err
+
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    assert cli.main(["train", "--config", str(bad_json)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"train_batch_size": 7}))  # not divisible by 2 ranks
+    assert cli.main(["train", "--config", str(wrong)]) == 2
+    assert "train_batch_size" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--nproc", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_cli_train_two_ranks() -> None:
+    argv = ["train", "--nproc", "2", "--steps", "4", "--n-layer", "1", "--n-embd", "32",
+            "--n-head", "2", "--block-size", "16", "--micro-batch", "2", "--precision", "fp32"]
+    env = dict(os.environ)
+    # Import zero3 from this checkout whether or not it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "16P/N" in proc.stdout, output
+    for rank_row in ("│    0 │", "│    1 │"):
+        assert rank_row in proc.stdout, output
+    assert "final loss" in proc.stdout and "tokens/s" in proc.stdout, output

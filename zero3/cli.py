@@ -1,0 +1,504 @@
+"""The `zero3` command: train the built-in GPT on the built-in corpus with ZeRO-3.
+
+`zero3 train` starts N local worker processes with torch's elastic launcher (the
+machinery behind torchrun), so a single command shows the engine end to end:
+parameters partitioned at construction, sharded optimizer, mixed precision, and
+the per-rank model-state bytes set beside ZeRO-3's 16P/N expectation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from zero3.config import ConfigError, load_config
+from zero3.data import CharTokenizer, load_corpus, sample_global_batch
+from zero3.models.gpt import GPT, GPTConfig
+
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# Order of the model-state columns; keys the engine adds beyond these are shown too.
+_STATE_KEYS = ("lp_params", "hp_params", "lp_grads", "optim_states", "persistent_params")
+
+
+# ----------------------------------------------------------------------- options
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zero3",
+        # Keep the epilog's one-option-per-line layout.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="zero3: a ZeRO stage-3 training engine for PyTorch. "
+        "This command runs its built-in demo.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train a small character-level GPT on the built-in corpus with ZeRO-3",
+        description="Train a small character-level GPT on the built-in English corpus "
+        "with ZeRO stage 3 across N local processes, then print each rank's "
+        "model-state bytes beside the 16P/N expectation.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = train.add_argument_group("run")
+    run.add_argument("--nproc", type=_positive_int, default=2, metavar="N",
+                     help="number of local ranks (worker processes) to launch")
+    run.add_argument("--steps", type=_positive_int, default=200,
+                     help="optimizer steps to train")
+    run.add_argument("--micro-batch", type=_positive_int, default=8,
+                     help="sequences per rank per forward/backward (train_micro_batch_size_per_gpu)")
+    run.add_argument("--grad-accum", type=_positive_int, default=1,
+                     help="micro-batches accumulated per optimizer step (gradient_accumulation_steps)")
+    run.add_argument("--lr", type=_positive_float, default=1e-3,
+                     help="peak AdamW learning rate, reached by a linear warmup over "
+                     "min(100, steps/10) steps (at least 1)")
+    run.add_argument("--precision", choices=_PRECISIONS, default="bf16",
+                     help="compute precision: fp32, bf16, or fp16 with dynamic loss scaling")
+    run.add_argument("--seed", type=_non_negative_int, default=0,
+                     help="seed of the model init and of the batch sampling")
+    run.add_argument("--log-every", type=_positive_int, default=10, metavar="STEPS",
+                     help="average the loss across ranks and show it every this many steps")
+    model = train.add_argument_group("model")
+    model.add_argument("--block-size", type=_positive_int, default=64,
+                       help="context length in characters")
+    model.add_argument("--n-layer", type=_positive_int, default=4, help="transformer blocks")
+    model.add_argument("--n-head", type=_positive_int, default=4,
+                       help="attention heads (must divide --n-embd)")
+    model.add_argument("--n-embd", type=_positive_int, default=128, help="embedding width")
+    zero = train.add_argument_group("ZeRO")
+    zero.add_argument("--persistence-threshold", type=_non_negative_int, default=0,
+                      metavar="NUMEL",
+                      help="stage3_param_persistence_threshold: parameters with at most this "
+                      "many elements stay whole on every rank (0 partitions all of them)")
+    zero.add_argument("--config", type=Path, default=None, metavar="PATH",
+                      help="DeepSpeed-style JSON config merged over the one built from these "
+                      "options (its values win; if it sets any batch-size key or bf16/fp16, "
+                      "it owns all of them)")
+    train.set_defaults(handler=_cmd_train)
+    parser.epilog = _options_summary(train)
+    return parser
+
+
+def _options_summary(sub: argparse.ArgumentParser) -> str:
+    """One line per option of `sub`, so the top-level help names them all too."""
+    lines = [f"options of `{sub.prog}` (details: {sub.prog} --help):"]
+    for action in sub._actions:  # argparse has no public accessor for these
+        if action.option_strings and action.help is not argparse.SUPPRESS and action.dest != "help":
+            names = ", ".join(action.option_strings)
+            lines.append(textwrap.fill(
+                f"{names:<24} {action.help}", width=100,
+                initial_indent="  ", subsequent_indent=" " * 27,
+            ))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+# ------------------------------------------------------------------- the config
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The DeepSpeed-style config the options describe."""
+    # A zero-length warmup would divide by zero in a WarmupLR-style schedule.
+    warmup = max(1, min(100, args.steps // 10))
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": args.lr,
+                "warmup_num_steps": warmup,
+                "warmup_type": "linear",
+            },
+        },
+        "bf16": {"enabled": args.precision == "bf16"},
+        "fp16": {"enabled": args.precision == "fp16"},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": args.persistence_threshold,
+        },
+    }
+
+
+# Keys that only make sense together: a user file that sets one of a group takes
+# the whole group, so "fp16": {"enabled": true} does not collide with our bf16, and
+# a train_batch_size does not contradict our micro-batch and accumulation.
+_OWNED_TOGETHER = (
+    ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+    ("bf16", "fp16"),
+)
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def merge_user_config(built: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
+    base = dict(built)
+    for group in _OWNED_TOGETHER:
+        if any(key in user for key in group):
+            for key in group:
+                base.pop(key, None)
+    return _deep_merge(base, user)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+# ------------------------------------------------------------------- the launch
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a worker needs; pickled to each spawned process."""
+
+    model: GPTConfig
+    ds_config: dict[str, Any]
+    steps: int
+    seed: int
+    log_every: int
+    precision: str
+    micro_batch: int
+    grad_accum: int
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    tokenizer = CharTokenizer(load_corpus())
+    try:
+        gpt = GPTConfig(
+            vocab_size=tokenizer.vocab_size,
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+        )
+        cfg = build_config(args)
+        if args.config is not None:
+            cfg = merge_user_config(cfg, _read_json_object(args.config))
+        # Validate here, once, so a bad option fails before N processes start.
+        parsed = load_config(cfg)
+        batch = parsed.resolve_batch(args.nproc)
+    except (ValueError, ConfigError) as exc:
+        # Plain print, here and below: rich would re-wrap messages and file paths.
+        print(f"zero3 train: {exc}", file=sys.stderr)
+        return 2
+    job = TrainJob(
+        model=gpt,
+        ds_config=cfg,
+        steps=args.steps,
+        seed=args.seed,
+        log_every=args.log_every,
+        # From the validated config, which a --config file may have changed.
+        precision=_PRECISION_NAMES[parsed.compute_dtype],
+        micro_batch=batch.micro_batch_per_gpu,
+        grad_accum=batch.gradient_accumulation_steps,
+    )
+    return _launch(job, args.nproc)
+
+
+def _launch(job: TrainJob, nproc: int) -> int:
+    # Imported here: the elastic machinery is only needed by the launching process.
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    log_dir = tempfile.mkdtemp(prefix="zero3-train-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # the c10d store picks a free port
+        run_id=f"zero3-train-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        monitor_interval=0.2,
+        # Only rank 0 talks to the terminal; the others' output goes to files that
+        # are kept (and named) if the run fails.
+        logs_specs=DefaultLogsSpecs(
+            log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)}
+        ),
+    )
+    # One thread per rank unless the user chose: N ranks each using every core
+    # oversubscribe the CPU (torchrun makes the same choice).
+    saved_omp = os.environ.get("OMP_NUM_THREADS")
+    if saved_omp is None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    # The agent logs a failed worker's traceback itself; we print the same
+    # traceback once, in ChildFailedError's summary, so mute the agent's copy.
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    saved_level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, _train_worker)(job)
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        print(f"zero3 train: workers failed; their logs are in {log_dir}", file=sys.stderr)
+        return 1
+    finally:
+        agent_log.setLevel(saved_level)
+        if saved_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return 0
+
+
+# ------------------------------------------------------------------- the worker
+
+
+def _batch_seed(seed: int, step: int) -> int:
+    # Not seed + step: that would make run (seed=1) replay run (seed=0)'s batches
+    # shifted by one step. Spreading the seeds apart keeps runs independent.
+    return seed * 1_000_003 + step
+
+
+def _init_process_group() -> None:
+    """Join the elastic launcher's rendezvous before the engine looks for a group.
+
+    The engine joins an existing default group, and this command needs that same
+    group itself (loss averaging, gathering the memory table).
+    """
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
+
+
+def _train_worker(job: TrainJob) -> dict[str, float]:
+    """Runs in every spawned process (module level, so it can be pickled)."""
+    import zero3  # the engine is only needed by the workers
+
+    _init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(job.seed)
+
+    corpus = load_corpus()
+    tokenizer = CharTokenizer(corpus)
+    if tokenizer.vocab_size != job.model.vocab_size:
+        raise RuntimeError("the corpus changed between launch and worker start")
+    tokens = tokenizer.encode(corpus)
+
+    cfg = job.ds_config
+    with zero3.Init(config=cfg):
+        model = GPT(job.model)
+    engine, _, _, _ = zero3.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured output defaults to 80 columns, too narrow for the table.
+        console = Console(width=160)
+    micro, accum = job.micro_batch, job.grad_accum
+    # The global batch of a step is every rank's every micro-step, laid out as
+    # [micro-step][rank][row], so its contents do not depend on how it is split
+    # between ranks and accumulation.
+    global_rows = micro * accum * world
+    generator = torch.Generator()
+    first_loss = last_loss = float("nan")
+
+    with _progress(console, disable=rank != 0) as progress:
+        task = progress.add_task("train", total=job.steps, loss="-")
+        start = time.perf_counter()
+        for step in range(job.steps):
+            generator.manual_seed(_batch_seed(job.seed, step))
+            x_all, y_all = sample_global_batch(tokens, job.model.block_size, global_rows, generator)
+            loss_sum = torch.zeros((), device=engine.device)
+            for k in range(accum):
+                lo = (k * world + rank) * micro
+                x = x_all[lo : lo + micro].to(engine.device)
+                y = y_all[lo : lo + micro].to(engine.device)
+                loss = engine(x, y)["loss"]
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float()
+            last_step = step == job.steps - 1
+            # Averaging needs a collective, so only on steps every rank agrees on.
+            if step == 0 or (step + 1) % job.log_every == 0 or last_step:
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+                last_loss = loss_sum.item() / (accum * world)
+                if step == 0:
+                    first_loss = last_loss
+                progress.update(task, loss=f"{last_loss:.4f}")
+            progress.advance(task)
+        elapsed = time.perf_counter() - start
+
+    states: list[dict[str, int] | None] = [None] * world
+    dist.all_gather_object(states, engine.model_state_bytes())
+    skipped = int(engine.skipped_steps)
+    if rank == 0:
+        tokens_per_s = job.steps * global_rows * job.model.block_size / elapsed
+        console.print(_state_table(states, job.model.num_parameters(), world))
+        _print_summary(console, job, world, first_loss, last_loss, elapsed, tokens_per_s, skipped)
+    engine.destroy()
+    dist.destroy_process_group()
+    return {"first_loss": first_loss, "final_loss": last_loss, "elapsed_s": elapsed}
+
+
+# ------------------------------------------------------------------- reporting
+
+
+class _StepsPerSecond(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("? steps/s" if speed is None else f"{speed:.2f} steps/s")
+
+
+def _progress(console: Console, disable: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        _StepsPerSecond(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=disable,
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _state_table(states: Sequence[dict[str, int] | None], num_params: int, world: int) -> Table:
+    expected = 16 * num_params / world
+    present = [s for s in states if s is not None]
+    extra = sorted({k for s in present for k in s} - set(_STATE_KEYS) - {"total"})
+    keys = [*_STATE_KEYS, *extra]
+    table = Table(
+        title=f"Model-state bytes per rank: P = {num_params:,} parameters, N = {world} ranks",
+        caption="16P/N: 2 (16-bit params) + 2 (16-bit grads) + 4 (fp32 master) + 8 (Adam "
+        "moments) bytes per parameter, split over N ranks",
+    )
+    table.add_column("rank", justify="right")
+    for key in keys:
+        table.add_column(key, justify="right")
+    table.add_column("total", justify="right", style="bold")
+    table.add_column("16P/N", justify="right", no_wrap=True)
+    table.add_column("total / (16P/N)", justify="right", no_wrap=True)
+    for rank, state in enumerate(states):
+        state = state or {}
+        total = state.get("total", 0)
+        table.add_row(
+            str(rank),
+            *(_human_bytes(state[k]) if k in state else "-" for k in keys),
+            _human_bytes(total),
+            _human_bytes(expected),
+            f"{total / expected:.3f}",
+        )
+    return table
+
+
+def _print_summary(
+    console: Console,
+    job: TrainJob,
+    world: int,
+    first_loss: float,
+    final_loss: float,
+    elapsed: float,
+    tokens_per_s: float,
+    skipped: int,
+) -> None:
+    rows = [
+        ("precision", job.precision),
+        ("steps", f"{job.steps} (skipped by fp16 overflow: {skipped})"),
+        ("global batch", f"{job.micro_batch * job.grad_accum * world} sequences of "
+         f"{job.model.block_size} characters"),
+        ("first loss", f"{first_loss:.4f}"),
+        ("final loss", f"{final_loss:.4f}"),
+        ("elapsed", f"{elapsed:.1f} s (training loop)"),
+        ("throughput", f"{tokens_per_s:,.0f} tokens/s ({job.steps / elapsed:.2f} steps/s)"),
+    ]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

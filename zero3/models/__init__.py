@@ -1,0 +1,5 @@
+"""Built-in demo models."""
+
+from zero3.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]
