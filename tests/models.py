@@ -63,6 +63,32 @@ class TiedTransformer(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class CheckpointedTransformer(TiedTransformer):
+    """Blocks under non-reentrant activation checkpointing: their forward reruns inside backward."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.embed(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class FrozenFirstLayer(nn.Module):
+    """A frozen layer (requires_grad=False) in front of trained ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 32)
+        self.frozen.requires_grad_(False)
+        self.mlp = MLP(32, 32, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.tanh(self.frozen(x)), y)
+
+
 class AttributeTiedLM(nn.Module):
     """The head reads the embedding's weight by attribute (not registered in the head)."""
 

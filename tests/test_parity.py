@@ -20,6 +20,8 @@ MODELS = {
     "dict_output": (models.DictOutput, "x8"),
     "none_output": (models.NoneOutput, "x8"),
     "dataclass_output": (models.DataclassOutput, "x8"),
+    "checkpointed": (models.CheckpointedTransformer, "tokens"),
+    "frozen_layer": (models.FrozenFirstLayer, "x8"),
 }
 LR, WD, CLIP, MICRO = 3e-3, 0.01, 1.0, 4
 
@@ -112,5 +114,12 @@ def test_bf16_loss_parity(world: int) -> None:
 def test_output_shapes_and_external_params_train(world: int, name: str) -> None:
     results = run_ranks(world, train_and_compare, name, "fp32", 5, 1, False, {})
     for result in results:
+        assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
+        assert result["param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("name", ["checkpointed", "frozen_layer"])
+def test_activation_checkpointing_and_frozen_params(name: str) -> None:
+    for result in run_ranks(2, train_and_compare, name, "fp32", 5, 1, True, {"stage3_prefetch_bucket_size": 4000}):
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5

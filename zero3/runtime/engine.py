@@ -271,6 +271,8 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
+        # Land any gradient queued by a backward that bypassed engine.backward.
+        self.reducer.finalize()
         self.coordinator.release_all()
         stepped, norm = self.optimizer.step()
         self.last_grad_norm = norm
