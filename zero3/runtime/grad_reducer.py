@@ -47,7 +47,8 @@ class GradientReducer:
         self.comm = comm
         self.dtype = dtype
         self.device = device
-        self.slots = 2 if overlap else 1
+        # A second slot only helps when one backward fills more than one bucket.
+        self.slots = 2 if overlap and self.capacity < total_padded_numel else 1
         self.overlap = overlap
         self.scratch: FlatBuffer | None = None
         self._pending: list[tuple[ShardedParam, torch.Tensor]] = []
