@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -29,14 +30,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        # Tear down together: rank 0 hosts the rendezvous store, and a rank
+        # leaving while another still talks to it can abort the process.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

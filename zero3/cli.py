@@ -407,6 +407,7 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
         console.print(_state_table(states, job.model.num_parameters(), world))
         _print_summary(console, job, world, first_loss, last_loss, elapsed, tokens_per_s, skipped)
     engine.destroy()
+    dist.barrier()  # rank 0 hosts the store: leave together
     dist.destroy_process_group()
     return {"first_loss": first_loss, "final_loss": last_loss, "elapsed_s": elapsed}
 
