@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, GPTConfig
 
@@ -113,6 +114,18 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One training step through a DeepSpeed-shaped engine (zero3 and DeepSpeed share the API)."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = engine(x, y)
+        engine.backward(out["loss"])
+        engine.step()
+        return out["loss"].detach()
+
+    return step
+
+
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
@@ -121,12 +134,7 @@ def _build_zero3(job: Job, threshold: int | None):
     with zero3.Init(config=cfg):
         model = GPT(job.model)
     engine, _, _, _ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = engine(x, y)
-        engine.backward(out["loss"])
-        engine.step()
-        return out["loss"].detach()
+    step = _engine_step(engine)
 
     def state_bytes() -> dict[str, int]:
         return {k: int(v) for k, v in engine.model_state_bytes().items()}
@@ -182,12 +190,7 @@ def _build_deepspeed(job: Job):
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = engine(x, y)
-        engine.backward(out["loss"])
-        engine.step()
-        return out["loss"].detach()
+    step = _engine_step(engine)
 
     def state_bytes() -> dict[str, int]:
         return {}  # DeepSpeed has no single accessor for this
@@ -390,42 +393,28 @@ def print_profile(path: str, console: Any, top: int) -> None:
 # ------------------------------------------------------------------------ main
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Step-time benchmark: zero3 vs PyTorch FSDP2 (vs DeepSpeed if importable) "
         "on the built-in GPT and corpus, gloo, one thread per rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed steps before them")
-    p.add_argument("--n-layer", type=_positive_int, default=4)
-    p.add_argument("--n-head", type=_positive_int, default=4)
-    p.add_argument("--n-embd", type=_positive_int, default=256)
-    p.add_argument("--block-size", type=_positive_int, default=128)
-    p.add_argument("--micro-batch", type=_positive_int, default=8, help="sequences per rank per step")
-    p.add_argument("--nproc", type=_positive_int, default=2, help="ranks (world size)")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps before them")
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-head", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=256)
+    p.add_argument("--block-size", type=positive_int, default=128)
+    p.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per rank per step")
+    p.add_argument("--nproc", type=positive_int, default=2, help="ranks (world size)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
                    "hotspots (its timings are then inflated by the profiler)")
-    p.add_argument("--profile-top", type=_positive_int, default=25)
+    p.add_argument("--profile-top", type=positive_int, default=25)
     return p
 
 

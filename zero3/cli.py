@@ -53,21 +53,21 @@ _STATE_KEYS = ("lp_params", "hp_params", "lp_grads", "optim_states", "persistent
 # ----------------------------------------------------------------------- options
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
@@ -92,32 +92,32 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = train.add_argument_group("run")
-    run.add_argument("--nproc", type=_positive_int, default=2, metavar="N",
+    run.add_argument("--nproc", type=positive_int, default=2, metavar="N",
                      help="number of local ranks (worker processes) to launch")
-    run.add_argument("--steps", type=_positive_int, default=200,
+    run.add_argument("--steps", type=positive_int, default=200,
                      help="optimizer steps to train")
-    run.add_argument("--micro-batch", type=_positive_int, default=8,
+    run.add_argument("--micro-batch", type=positive_int, default=8,
                      help="sequences per rank per forward/backward (train_micro_batch_size_per_gpu)")
-    run.add_argument("--grad-accum", type=_positive_int, default=1,
+    run.add_argument("--grad-accum", type=positive_int, default=1,
                      help="micro-batches accumulated per optimizer step (gradient_accumulation_steps)")
-    run.add_argument("--lr", type=_positive_float, default=1e-3,
+    run.add_argument("--lr", type=positive_float, default=1e-3,
                      help="peak AdamW learning rate, reached by a linear warmup over "
                      "min(100, steps/10) steps (at least 1)")
     run.add_argument("--precision", choices=_PRECISIONS, default="bf16",
                      help="compute precision: fp32, bf16, or fp16 with dynamic loss scaling")
-    run.add_argument("--seed", type=_non_negative_int, default=0,
+    run.add_argument("--seed", type=non_negative_int, default=0,
                      help="seed of the model init and of the batch sampling")
-    run.add_argument("--log-every", type=_positive_int, default=10, metavar="STEPS",
+    run.add_argument("--log-every", type=positive_int, default=10, metavar="STEPS",
                      help="average the loss across ranks and show it every this many steps")
     model = train.add_argument_group("model")
-    model.add_argument("--block-size", type=_positive_int, default=64,
+    model.add_argument("--block-size", type=positive_int, default=64,
                        help="context length in characters")
-    model.add_argument("--n-layer", type=_positive_int, default=4, help="transformer blocks")
-    model.add_argument("--n-head", type=_positive_int, default=4,
+    model.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks")
+    model.add_argument("--n-head", type=positive_int, default=4,
                        help="attention heads (must divide --n-embd)")
-    model.add_argument("--n-embd", type=_positive_int, default=128, help="embedding width")
+    model.add_argument("--n-embd", type=positive_int, default=128, help="embedding width")
     zero = train.add_argument_group("ZeRO")
-    zero.add_argument("--persistence-threshold", type=_non_negative_int, default=0,
+    zero.add_argument("--persistence-threshold", type=non_negative_int, default=0,
                       metavar="NUMEL",
                       help="stage3_param_persistence_threshold: parameters with at most this "
                       "many elements stay whole on every rank (0 partitions all of them)")
