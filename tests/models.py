@@ -89,6 +89,29 @@ class FrozenFirstLayer(nn.Module):
         return self.mlp(torch.tanh(self.frozen(x)), y)
 
 
+class Branchy(nn.Module):
+    """Data-dependent control flow: which modules run, and in what order, changes per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.left = nn.Linear(32, 32)
+        self.right = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        # The same on every rank (the batch's first feature is shared), different across steps.
+        route = int(x[0, 0].item() * 1000) % 3
+        if route == 0:
+            h = self.left(h)
+        elif route == 1:
+            h = self.right(h)
+        else:
+            h = self.left(self.right(h)) + self.left(h)  # both, and `left` twice
+        return F.mse_loss(self.head(h).float(), y.float())
+
+
 class AttributeTiedLM(nn.Module):
     """The head reads the embedding's weight by attribute (not registered in the head)."""
 
@@ -201,16 +224,19 @@ def batches(kind: str, steps: int, global_batch: int, seed: int = 1234) -> list[
             idx = torch.randint(0, 48, (global_batch, 16), generator=g)
             out.append((idx, torch.roll(idx, -1, dims=1)))
         else:
-            out.append((torch.randn(global_batch, 16, generator=g), torch.randn(global_batch, 8 if kind == "x8" else 4, generator=g)))
+            x = torch.randn(global_batch, 16, generator=g)
+            if kind == "branch":
+                x[:, 0] = x[0, 0]  # one route per step, shared by every row (so by every rank)
+            out.append((x, torch.randn(global_batch, 4 if kind == "x4" else 8, generator=g)))
     return out
 
 
 def reference_losses(
     model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], lr: float, weight_decay: float, clip: float,
-    gas: int = 1,
+    gas: int = 1, groups: list | None = None,
 ) -> tuple[list[float], nn.Module]:
     """Plain single-process torch: AdamW on the whole global batch, clip by global norm."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(groups if groups is not None else model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for x, y in data:
         total = 0.0

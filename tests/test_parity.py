@@ -22,6 +22,7 @@ MODELS = {
     "dataclass_output": (models.DataclassOutput, "x8"),
     "checkpointed": (models.CheckpointedTransformer, "tokens"),
     "frozen_layer": (models.FrozenFirstLayer, "x8"),
+    "branchy": (models.Branchy, "branch"),
 }
 LR, WD, CLIP, MICRO = 3e-3, 0.01, 1.0, 4
 
@@ -40,7 +41,8 @@ def config(precision: str, gas: int, **zero: object) -> dict:
 
 
 def train_and_compare(
-    rank: int, world: int, name: str, precision: str, steps: int, gas: int, use_init: bool, zero: dict
+    rank: int, world: int, name: str, precision: str, steps: int, gas: int, use_init: bool, zero: dict,
+    grouped: bool = False,
 ) -> dict:
     cls, kind = MODELS[name]
     cfg = config(precision, gas, **zero)
@@ -52,7 +54,7 @@ def train_and_compare(
             model = cls()
     else:
         model = cls()
-    engine, _, _, _ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = zero3.initialize(model=model, model_parameters=param_groups(model, grouped), config=cfg)
     data = models.batches(kind, steps, MICRO * gas * world)
     losses = []
     for x, y in data:
@@ -66,7 +68,8 @@ def train_and_compare(
             step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
-    ref_losses, reference = models.reference_losses(reference, data, LR, WD, CLIP, gas=gas * world)
+    ref_losses, reference = models.reference_losses(
+        reference, data, LR, WD, CLIP, gas=gas * world, groups=param_groups(reference, grouped))
     max_param_diff = 0.0
     for (pname, p), (_, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
         full = zero3.safe_get_full_fp32_param(p)
@@ -74,6 +77,19 @@ def train_and_compare(
     statuses = {zero3.param_status(p) for p in model.parameters()}
     engine.destroy()
     return {"losses": losses, "reference": ref_losses, "param_diff": max_param_diff, "statuses": statuses}
+
+
+def param_groups(model: torch.nn.Module, grouped: bool) -> list:
+    """Two groups (biases and norms: no decay, half lr), or all parameters.
+
+    By name, as HF does: under Init a parameter's `.shape` is its released placeholder's.
+    """
+    if not grouped:
+        return list(model.parameters())
+    named = list(model.named_parameters())
+    plain = [p for n, p in named if not (n.endswith("bias") or ".ln" in n or n.startswith("ln"))]
+    no_decay = [p for n, p in named if n.endswith("bias") or ".ln" in n or n.startswith("ln")]
+    return [{"params": plain, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}]
 
 
 def _rel_errors(result: dict) -> list[float]:
@@ -91,10 +107,12 @@ def test_fp32_loss_parity(world: int, name: str) -> None:
         assert result["statuses"] == {zero3.ParamStatus.NOT_AVAILABLE}
 
 
-def test_fp32_parity_with_init_accumulation_and_prefetch() -> None:
-    """Init-built model, 2 micro-steps per step, small buckets and an active prefetcher."""
-    zero = {"reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 5000, "overlap_comm": True}
-    results = run_ranks(2, train_and_compare, "tied_transformer", "fp32", 5, 2, True, zero)
+def test_fp32_parity_with_init_accumulation_prefetch_and_param_groups() -> None:
+    """Init-built model, 2 micro-steps per step, small buckets and sub-groups, an active
+    prefetcher, and two optimizer groups with their own lr and weight decay."""
+    zero = {"reduce_bucket_size": 3000, "stage3_prefetch_bucket_size": 5000, "overlap_comm": True,
+            "sub_group_size": 2000}
+    results = run_ranks(2, train_and_compare, "tied_transformer", "fp32", 5, 2, True, zero, True)
     for result in results:
         assert max(_rel_errors(result)) <= 1e-5, (result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5
@@ -122,4 +140,12 @@ def test_output_shapes_and_external_params_train(world: int, name: str) -> None:
 def test_activation_checkpointing_and_frozen_params(name: str) -> None:
     for result in run_ranks(2, train_and_compare, name, "fp32", 5, 1, True, {"stage3_prefetch_bucket_size": 4000}):
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
+        assert result["param_diff"] < 1e-5
+
+
+def test_changing_module_order_never_breaks_prefetch() -> None:
+    """A stale prefetch trace (the route changes every step) costs overlap, never correctness."""
+    zero = {"stage3_prefetch_bucket_size": 100_000, "reduce_bucket_size": 2000}
+    for result in run_ranks(2, train_and_compare, "branchy", "fp32", 8, 1, False, zero):
+        assert max(_rel_errors(result)) <= 1e-5, (result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5

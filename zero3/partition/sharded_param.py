@@ -46,6 +46,8 @@ class ShardedParam:
         self.hp_slot: Slot | None = None
         self.grad_slot: Slot | None = None
         self.optim_slots: dict[str, Slot] = {}
+        # Whether a gradient reached this parameter since the last optimizer step.
+        self.has_grad = False
         # fp32 copy of this rank's shard taken at partition time, so the master
         # starts from the exact fp32 initialisation rather than a 16-bit round trip.
         self.hp_seed: torch.Tensor | None = None

@@ -82,7 +82,12 @@ class ZeroEngine:
         self.lr_scheduler = None
         if self.optimizer is not None:
             if lr_scheduler is not None:
-                self.lr_scheduler = lr_scheduler(self.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+                if not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+                    raise TypeError(
+                        "lr_scheduler must be a factory called with the engine's torch optimizer "
+                        f"(the optimizer does not exist before initialize), got {type(lr_scheduler).__name__}"
+                    )
+                self.lr_scheduler = lr_scheduler(self.optimizer.optimizer)
             elif config.scheduler is not None:
                 self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer.optimizer)
         self.micro_steps = 0
@@ -218,6 +223,7 @@ class ZeroEngine:
             if sp.grad_slot is None:
                 log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
             else:
+                sp.has_grad = True
                 self.reducer.add(sp, grad)
             unit.pending_grads -= 1
             if unit.pending_grads == 0:
@@ -320,6 +326,7 @@ class ZeroEngine:
             states.update(self.optimizer.state_bytes())
         states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
         states["total"] = sum(states.values())
+        # Scratch, not model state: reported beside the total, not in it.
         states["contiguous_grad_buffer"] = self.reducer.scratch.nbytes if self.reducer.scratch is not None else 0
         return states
 

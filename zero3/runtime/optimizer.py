@@ -4,12 +4,14 @@
 Trainable parameters are laid out in optimizer-group order in four flat
 buffers with one shared offset map: `hp_params` (fp32 master), `lp_grads`
 (16-bit reduced gradients), and `exp_avg` / `exp_avg_sq` (the
-`optim_states`). Each group is cut into sub-groups of at most
-`sub_group_size` elements at parameter boundaries; a sub-group is one
-parameter of torch's own Adam/AdamW (fused on CUDA, foreach on CPU) whose
-storage is a view of `hp_params`, and whose moments are views of the moment
-buffers, placed in the optimizer state before the first step. Stepping a
-sub-group needs its fp32 gradient only while it steps.
+`optim_states`). Torch's own Adam/AdamW (fused on CUDA, foreach on CPU) steps
+one master per parameter: a view of `hp_params`, whose moments are views of
+the moment buffers placed in the optimizer state before the first step. So
+every state is one flat buffer (one copy to move it), and a parameter that
+got no gradient this step is skipped exactly as torch skips it (no decay, no
+moment update, no step count). Groups are cut into sub-groups of at most
+`sub_group_size` elements at parameter boundaries; a sub-group's fp32
+gradients exist only while it steps.
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 @dataclass
 class SubGroup:
-    group_index: int
     offset: int
     numel: int
     params: list[ShardedParam]
-    master: nn.Parameter
+    masters: list[nn.Parameter]
 
 
 class ZeroOptimizer:
@@ -66,35 +67,37 @@ class ZeroOptimizer:
         self.sub_groups: list[SubGroup] = []
         torch_groups: list[dict[str, Any]] = []
         cursor = 0
-        for group_index, (sps, options) in enumerate(groups):
-            masters: list[nn.Parameter] = []
+        for sps, options in groups:
+            group_masters: list[nn.Parameter] = []
             for run in _split(sps, sub_group_size):
                 start = cursor
+                masters = []
                 for sp in run:
                     sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
                     sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
                     sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
                     sp.hp_slot.view().copy_(sp.hp_seed if sp.hp_seed is not None else sp.lp_shard())
                     sp.hp_seed = None
+                    masters.append(nn.Parameter(sp.hp_slot.view()))
                     cursor += sp.shard_numel
-                master = nn.Parameter(self.hp_params.view(start, cursor - start))
-                self.sub_groups.append(SubGroup(group_index, start, cursor - start, run, master))
-                masters.append(master)
-            torch_groups.append({"params": masters, **options})
+                self.sub_groups.append(SubGroup(start, cursor - start, run, masters))
+                group_masters.extend(masters)
+            torch_groups.append({"params": group_masters, **options})
 
-        decoupled = config.decoupled_weight_decay
         fused = device.type == "cuda"
-        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         p = config.params
         self.optimizer = cls(
             torch_groups, lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
             fused=fused or None, foreach=None if fused else True,
         )
         for sub in self.sub_groups:
-            step = torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
-            state = {"step": step}
-            state.update({name: buf.view(sub.offset, sub.numel) for name, buf in self.moments.items()})
-            self.optimizer.state[sub.master] = state
+            for sp, master in zip(sub.params, sub.masters):
+                state: dict[str, torch.Tensor] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+                }
+                state.update({name: slot.view() for name, slot in sp.optim_slots.items()})
+                self.optimizer.state[master] = state
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -103,6 +106,8 @@ class ZeroOptimizer:
     # ---- gradients -----------------------------------------------------------
     def zero_grad(self) -> None:
         self.lp_grads.tensor.zero_()
+        for sp in self.params:
+            sp.has_grad = False
 
     def global_grad_norm(self) -> float:
         """The L2 norm of the (still loss-scaled) reduced gradients over all ranks; inf/nan on overflow."""
@@ -124,12 +129,18 @@ class ZeroOptimizer:
         if self.gradient_clipping > 0:
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         for sub in self.sub_groups:
+            if not any(sp.has_grad for sp in sub.params):
+                continue
             grad = self.lp_grads.view(sub.offset, sub.numel).to(torch.float32, copy=True)
             if coefficient != 1.0:
                 grad.mul_(coefficient)
-            sub.master.grad = grad
+            cursor = 0
+            for sp, master in zip(sub.params, sub.masters):
+                master.grad = grad[cursor : cursor + sp.shard_numel] if sp.has_grad else None
+                cursor += sp.shard_numel
             self.optimizer.step()
-            sub.master.grad = None
+            for master in sub.masters:
+                master.grad = None
         lp = [sp.lp_shard() for sp in self.params]
         hp = [sp.hp_slot.view() for sp in self.params]  # type: ignore[union-attr]
         if lp:
