@@ -248,6 +248,8 @@ class ParamCoordinator:
 
     # ---- backward --------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if not self._by_storage or tensor.layout is not torch.strided:
+            return tensor
         unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
         if unit is None or unit.persistent:
             return tensor
