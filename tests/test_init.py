@@ -139,3 +139,11 @@ def test_bad_modifier_rank_is_rejected_before_gathering() -> None:
         zero3.GatheredParameters(list(lin.parameters()), modifier_rank=5)
     assert zero3.param_status(lin.weight) is zero3.ParamStatus.NOT_AVAILABLE
     F.linear  # keep the import used
+
+
+def test_deepspeed_keyword_for_the_config() -> None:
+    with zero3.Init(config_dict_or_path={"bf16": {"enabled": True}}):
+        lin = nn.Linear(4, 4)
+    assert zero3.safe_get_local_lp_param(lin.weight).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="not both"):
+        zero3.Init(config=CFG, config_dict_or_path=CFG)

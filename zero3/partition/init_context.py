@@ -138,8 +138,8 @@ class _PartitionedWriteMode(TorchFunctionMode):
 class Init:
     """Partition parameters as modules are constructed.
 
-    `config` is the engine config (dict, JSON path, or Zero3Config); its
-    precision picks the 16-bit dtype of the shards. `dtype` overrides it.
+    `config` (or DeepSpeed's `config_dict_or_path`) is the engine config (dict,
+    JSON path, or Zero3Config); its precision picks the 16-bit dtype of the shards. `dtype` overrides it.
     `enabled=False` makes the context a no-op (the engine partitions later).
     """
 
@@ -151,7 +151,11 @@ class Init:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         enabled: bool = True,
+        config_dict_or_path: dict | str | None = None,
     ) -> None:
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("pass the config as `config` or `config_dict_or_path` (DeepSpeed's name), not both")
+        config = config if config is not None else config_dict_or_path
         cfg = load_config(config if config is not None else {})
         self.enabled = enabled
         self.device = torch.device(device) if device is not None else accelerator.default_device()
