@@ -32,10 +32,3 @@ def set_device(device: torch.device) -> None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def memory_allocated(device: torch.device) -> int | None:
-    """Bytes the caching allocator holds for tensors; None where torch does not track it (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,20 +19,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True)
-class ProcessGroupInfo:
-    rank: int
-    world_size: int
-    group: dist.ProcessGroup | None
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def init_distributed(device: torch.device) -> ProcessGroupInfo:
+def init_distributed(device: torch.device) -> None:
     """Join (or create) the default process group.
 
     Under torchrun the env:// variables are set. A plain `python train.py` has
@@ -49,7 +41,6 @@ def init_distributed(device: torch.device) -> ProcessGroupInfo:
         backend = accelerator.communication_backend(device)
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
-    return ProcessGroupInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
 
 
 class Communicator:

@@ -15,7 +15,7 @@ from torch import nn
 
 from zero3.enums import ParamStatus
 from zero3.partition.flat_buffer import Slot
-from zero3.partition.layout import shard_numel
+from zero3.partition.layout import shard_numel, shard_range
 
 if TYPE_CHECKING:
     from zero3.partition.unit import GatherUnit
@@ -75,8 +75,7 @@ class ShardedParam:
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full value of the parameter, zero padded."""
         flat = full.reshape(-1)
-        start = self.rank * self.shard_numel
-        end = min(start + self.shard_numel, self.numel)
+        start, end = shard_range(self.numel, self.world_size, self.rank)
         shard = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
         if end > start:
             shard[: end - start].copy_(flat[start:end])
