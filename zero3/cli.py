@@ -330,14 +330,11 @@ def _init_process_group() -> None:
     The engine joins an existing default group, and this command needs that same
     group itself (loss averaging, gathering the memory table).
     """
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
-    else:
-        dist.init_process_group(backend="gloo")
+    from zero3 import accelerator, comm
+
+    device = accelerator.default_device()
+    accelerator.set_device(device)
+    comm.init_distributed(device)
 
 
 def _train_worker(job: TrainJob) -> dict[str, float]:

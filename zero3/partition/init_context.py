@@ -93,15 +93,13 @@ class _PartitionedWriteMode(TorchFunctionMode):
             return shape
         if name == "data" and func.__name__ == "__set__" and target is not None:
             # `param.data = value`: the new value becomes the shards.
-            with torch.no_grad():
-                full = args[1].detach().to(self.init.device, torch.float32).clone()
-                if full.shape != target.shape:
-                    raise RuntimeError(
-                        f"zero3.Init: cannot assign a {tuple(full.shape)} tensor to the .data of "
-                        f"{target.name} (shape {tuple(target.shape)})"
-                    )
-                self.init.comm.broadcast(full, src=0)
-                target.write_full(full)
+            full = args[1].detach().to(self.init.device, torch.float32).clone()
+            if full.shape != target.shape:
+                raise RuntimeError(
+                    f"zero3.Init: cannot assign a {tuple(full.shape)} tensor to the .data of "
+                    f"{target.name} (shape {tuple(target.shape)})"
+                )
+            self._store(target, full)
             return None
         if name in _METADATA_PASSTHROUGH or (is_getter and name not in _VIEW_PROPERTIES):
             return func(*args, **kwargs)
@@ -116,6 +114,12 @@ class _PartitionedWriteMode(TorchFunctionMode):
             )
         return self._apply_write(func, args, kwargs, touched, target or out_target, first)
 
+    def _store(self, written: ShardedParam, full: torch.Tensor) -> None:
+        """Rank 0's new full value becomes every rank's shards (16-bit and fp32 seed)."""
+        with torch.no_grad():
+            self.init.comm.broadcast(full, src=0)
+            written.write_full(full)
+
     def _apply_write(self, func, args, kwargs, touched: list[ShardedParam], written: ShardedParam, first: Any):
         fulls: dict[int, torch.Tensor] = {}
         for sp in touched:
@@ -128,9 +132,7 @@ class _PartitionedWriteMode(TorchFunctionMode):
 
         with torch.no_grad():
             func(*tree_map(swap, args), **tree_map(swap, kwargs))
-            full = fulls[id(written)]
-            self.init.comm.broadcast(full, src=0)
-            written.write_full(full)
+        self._store(written, fulls[id(written)])
         # In-place functions return their target: the (still partitioned) parameter.
         return first if self._lookup(first) is written else kwargs.get("out")
 
@@ -166,7 +168,6 @@ class Init:
         self._orig_init_subclass: Any = None
         self._patched_init_functions: list[tuple[str, Callable[..., Any]]] = []
         self._mode: _PartitionedWriteMode | None = None
-        self._device_ctx: torch.device | None = None
         self.comm: comm.Communicator | None = None
         self.partitioner: Partitioner | None = None
 
@@ -253,7 +254,6 @@ class Init:
             init_ctx._wrap(cls)
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
-        self._device_ctx = self.device
         self._device_mode = torch.device(self.device)
         self._device_mode.__enter__()
         self._mode = _PartitionedWriteMode(self)
