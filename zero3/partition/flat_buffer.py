@@ -2,35 +2,107 @@
 
 Slots hold (buffer, offset, numel) rather than views, so a buffer can be moved
 or reallocated (offload, reload, consolidation) without stale views anywhere.
+
+[Note: buffer residency]
+Every read of a state's storage goes through `FlatBuffer.tensor`, so the
+offload tier can change where the data lives without the rest of the engine
+knowing. While a state is parked on disk (or after `destroy()`) its tensor is
+a `meta` tensor of the same shape (memory holds none of it) and reading raises
+`StateOffloadedError`.
+While a copy into the buffer is in flight (a non-blocking reload), the buffer
+carries a completion callback that the first reader runs, so a read before
+an explicit sync waits for the data instead of seeing garbage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 
+class StateOffloadedError(RuntimeError):
+    """A state was used while it is offloaded (call `engine.reload_states()` first)."""
+
+
 class FlatBuffer:
     """One state's flat storage on one rank."""
 
-    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+    def __init__(self, name: str, tensor: torch.Tensor, state: str | None = None) -> None:
         if tensor.dim() != 1:
             raise ValueError(f"flat buffer {name!r} must be 1-D, got shape {tuple(tensor.shape)}")
         self.name = name
-        self.tensor = tensor
+        # The offloadable state this buffer belongs to (an OffloadStateType value).
+        self.state = state or name
+        self._tensor = tensor
+        self._complete: Callable[[], None] | None = None
+        self._released_because = ""
 
     @classmethod
-    def zeros(cls, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> "FlatBuffer":
-        return cls(name, torch.zeros(numel, dtype=dtype, device=device))
+    def zeros(
+        cls, name: str, numel: int, dtype: torch.dtype, device: torch.device, state: str | None = None
+    ) -> "FlatBuffer":
+        return cls(name, torch.zeros(numel, dtype=dtype, device=device), state)
+
+    # ---- the data ----------------------------------------------------------
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The data, waiting for an in-flight copy first; raises if parked on disk."""
+        self.wait()
+        if self._tensor.is_meta:
+            raise StateOffloadedError(f"state {self.state!r} (buffer {self.name!r}) {self._released_because}")
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor) -> None:
+        if value.dim() != 1 or value.numel() != self._tensor.numel():
+            raise ValueError(
+                f"flat buffer {self.name!r} holds {self._tensor.numel()} elements, got a tensor of shape {tuple(value.shape)}"
+            )
+        self._tensor = value
+
+    def replace(self, value: torch.Tensor, on_complete: Callable[[], None] | None = None) -> None:
+        """Point the buffer at new storage, optionally still being filled (see the Note)."""
+        self.tensor = value
+        self._complete = on_complete
+
+    def release(self, because: str) -> None:
+        """Drop the storage, keeping shape and dtype; reads raise, naming `because`."""
+        self._tensor = torch.empty(self._tensor.shape, dtype=self._tensor.dtype, device="meta")
+        self._complete = None
+        self._released_because = because
+
+    def wait(self) -> None:
+        """Run the pending completion, if any (it may raise; it runs only once)."""
+        complete, self._complete = self._complete, None
+        if complete is not None:
+            complete()
+
+    @property
+    def pending(self) -> bool:
+        return self._complete is not None
+
+    # ---- facts that need no data ---------------------------------------------
+    @property
+    def parked(self) -> bool:
+        return self._tensor.is_meta
+
+    @property
+    def device(self) -> torch.device:
+        return self._tensor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._tensor.dtype
 
     @property
     def numel(self) -> int:
-        return self.tensor.numel()
+        return self._tensor.numel()
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return self._tensor.numel() * self._tensor.element_size()
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
         return self.tensor.narrow(0, offset, numel)

@@ -358,7 +358,7 @@ class ZeroEngine:
             sp.lp_slot = sp.hp_slot = sp.grad_slot = None
             sp.optim_slots = {}
         self.reducer.scratch = None
-        self.lp_params.tensor = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self.lp_params.release("was freed: this zero3 engine was destroyed")
         if self.optimizer is not None:
             self.optimizer.optimizer.state.clear()
             self.optimizer.optimizer.param_groups.clear()

@@ -62,7 +62,9 @@ class ZeroOptimizer:
         total = sum(sp.shard_numel for sp in self.params)
         self.hp_params = FlatBuffer.zeros("hp_params", total, torch.float32, device)
         self.lp_grads = FlatBuffer.zeros("lp_grads", total, lp_dtype, device)
-        self.moments = {name: FlatBuffer.zeros(name, total, torch.float32, device) for name in MOMENTS}
+        self.moments = {
+            name: FlatBuffer.zeros(name, total, torch.float32, device, state="optim_states") for name in MOMENTS
+        }
 
         self.sub_groups: list[SubGroup] = []
         torch_groups: list[dict[str, Any]] = []
@@ -78,7 +80,7 @@ class ZeroOptimizer:
                     sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
                     sp.hp_slot.view().copy_(sp.hp_seed if sp.hp_seed is not None else sp.lp_shard())
                     sp.hp_seed = None
-                    masters.append(nn.Parameter(sp.hp_slot.view()))
+                    masters.append(nn.Parameter(torch.empty(0, device=device)))
                     cursor += sp.shard_numel
                 self.sub_groups.append(SubGroup(start, cursor - start, run, masters))
                 group_masters.extend(masters)
@@ -92,12 +94,32 @@ class ZeroOptimizer:
             fused=fused or None, foreach=None if fused else True,
         )
         for sub in self.sub_groups:
-            for sp, master in zip(sub.params, sub.masters):
-                state: dict[str, torch.Tensor] = {
+            for master in sub.masters:
+                self.optimizer.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
                 }
-                state.update({name: slot.view() for name, slot in sp.optim_slots.items()})
-                self.optimizer.state[master] = state
+        self.bind_views()
+
+    # [Note: master views]
+    # Torch's optimizer holds tensors, not slots: each master is a view of
+    # `hp_params` and its moments are views of the moment buffers. Those views
+    # would pin the old storage when a state is offloaded, so `unbind_views`
+    # drops them (the offload tier calls it before moving `hp_params` or
+    # `optim_states`) and `step` binds them again from the current buffers.
+    def bind_views(self) -> None:
+        for sub in self.sub_groups:
+            for sp, master in zip(sub.params, sub.masters):
+                assert sp.hp_slot is not None
+                master.data = sp.hp_slot.view()
+                self.optimizer.state[master].update({name: slot.view() for name, slot in sp.optim_slots.items()})
+
+    def unbind_views(self) -> None:
+        for sub in self.sub_groups:
+            for master in sub.masters:
+                master.data = torch.empty(0, device=self.device)
+                state = self.optimizer.state[master]
+                for name in MOMENTS:
+                    state[name] = torch.empty(0, device=self.device)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -124,6 +146,7 @@ class ZeroOptimizer:
         if overflow:
             self.zero_grad()
             return False, norm
+        self.bind_views()
         norm /= scale
         coefficient = 1.0 / scale
         if self.gradient_clipping > 0:
