@@ -10,6 +10,10 @@ from zero3.accessors import (
 )
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
+from zero3.offload import get_state_devices
+from zero3.offload.disk import OffloadIOError
+from zero3.offload.report import StateReport
+from zero3.partition.flat_buffer import StateOffloadedError
 from zero3.partition.gathered import GatheredParameters
 from zero3.partition.init_context import Init
 from zero3.runtime.engine import ZeroEngine
@@ -21,11 +25,15 @@ __all__ = [
     "ConfigError",
     "GatheredParameters",
     "Init",
+    "OffloadIOError",
     "OffloadDevice",
     "OffloadStateType",
     "ParamStatus",
+    "StateOffloadedError",
+    "StateReport",
     "Zero3Config",
     "ZeroEngine",
+    "get_state_devices",
     "initialize",
     "load_config",
     "param_status",

@@ -78,9 +78,12 @@ class ParamCoordinator:
         module_units: dict[nn.Module, list[GatherUnit]],
         prefetch_numel: int,
         max_live_numel: int,
+        persistent_unit: GatherUnit | None = None,
     ) -> None:
         self.module = module
         self.units = units
+        # Gathered once and kept; released only when its shards are offloaded.
+        self.persistent_unit = persistent_unit
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._module_units = module_units
@@ -124,6 +127,14 @@ class ParamCoordinator:
                 sp.on_access = None
 
     # ---- state ---------------------------------------------------------------
+    @property
+    def in_forward(self) -> bool:
+        return self._forward_depth > 0
+
+    @property
+    def in_backward(self) -> bool:
+        return self._in_backward
+
     def _observe(self, unit: GatherUnit, gathered: bool) -> None:
         assert unit.unsharded is not None
         ptr = unit.unsharded.untyped_storage().data_ptr()
@@ -155,6 +166,8 @@ class ParamCoordinator:
         self._forward_depth += 1
         if self._forward_depth > 1:
             return
+        if self.persistent_unit is not None:
+            self.persistent_unit.unshard()  # no-op unless an offload of lp_params released it
         self._release_root_returned()
         self._last_trace = self._trace or self._last_trace
         self._trace = []

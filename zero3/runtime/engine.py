@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,8 +14,11 @@ from torch.utils._pytree import tree_map
 from zero3 import accelerator
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
+from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
+from zero3.offload.manager import StateOffloader
+from zero3.offload.report import StateReport
 from zero3.partition import param_dict
-from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 from zero3.partition.partitioner import Partitioner
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, UnitState
@@ -25,6 +29,13 @@ from zero3.runtime.lr_schedules import build_lr_scheduler
 from zero3.runtime.optimizer import ZeroOptimizer
 
 log = logging.getLogger("zero3")
+
+# The states each training call reads or writes (a call refuses to run while one is offloaded).
+FORWARD_NEEDS = (OffloadStateType.lp_params,)
+BACKWARD_NEEDS = (OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.contiguous_grad_buffer)
+STEP_NEEDS = (
+    OffloadStateType.hp_params, OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.optim_states,
+)
 
 
 class ZeroEngine:
@@ -48,6 +59,13 @@ class ZeroEngine:
         self.batch = config.resolve_batch(comm.world_size)
         self.compute_dtype = config.compute_dtype
         zc = config.zero_optimization
+        for key, tier in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
+            if tier.device != "none":
+                raise NotImplementedError(
+                    f"zero_optimization.{key}.device={tier.device!r}: training with states kept off the device "
+                    "(ZeRO-Offload / ZeRO-Infinity) is not implemented yet; use 'none', and park states "
+                    "between steps with engine.offload_states()"
+                )
 
         self._partition(model)
         self.units, module_units, self.persistent_unit = self._build_units(model, zc.stage3_param_persistence_threshold)
@@ -72,7 +90,11 @@ class ZeroEngine:
             sum(sp.padded_numel for sp in trainable), zc.overlap_comm,
         )
         self.coordinator = ParamCoordinator(
-            model, self.units, module_units, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters
+            model, self.units, module_units, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+            self.persistent_unit,
+        )
+        self.offloader = StateOffloader(
+            device, comm.rank, self._state_buffers, self.reducer, zc.offload_param.nvme_path
         )
         self.coordinator.install()
         self._grad_hook_handles = self._install_grad_hooks()
@@ -237,6 +259,7 @@ class ZeroEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
+        self._require_resident("forward", FORWARD_NEEDS)
         if self.compute_dtype != torch.float32:
             # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
             def cast(value: Any) -> Any:
@@ -255,6 +278,7 @@ class ZeroEngine:
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer is None:
             raise RuntimeError("engine.backward needs an optimizer: the config has no 'optimizer' section")
+        self._require_resident("backward", BACKWARD_NEEDS)
         factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
         self.coordinator.begin_backward()
@@ -274,6 +298,8 @@ class ZeroEngine:
         if self.optimizer is None:
             raise RuntimeError("engine.step needs an optimizer: the config has no 'optimizer' section")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._require_resident("step", STEP_NEEDS)
         self.micro_steps += 1
         if not boundary:
             return
@@ -318,6 +344,90 @@ class ZeroEngine:
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
+    # ---- state offloading ---------------------------------------------------------
+    def offload_states(
+        self,
+        include: Any = None,
+        device: OffloadDevice | str = OffloadDevice.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+        nvme_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Move this rank's states off the device: `include` (None = all five) to "cpu" or "nvme" (disk).
+
+        Gathered parameters and in-flight prefetches are released first. The
+        disk tier writes under `nvme_path` (default: the config's
+        zero_optimization.offload_param.nvme_path). Offloading a state that is
+        already offloaded does nothing. Every argument is checked, and disk
+        space reserved, before anything moves. Call on every rank between
+        training steps (it has no collective).
+        """
+        self._check_alive()
+        states = parse_states(include)
+        target = parse_offload_device(device)
+        root = self.offloader.resolve_nvme_path(nvme_path) if target is OffloadDevice.nvme else None
+        self._check_between_steps("offload_states")
+        self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back every offloaded state, bit-exact; recreate a freed scratch bucket.
+
+        With `non_blocking=True` the copies finish in the background and any
+        later use of a state waits for its copy.
+        """
+        self._check_alive()
+        self._check_between_steps("reload_states")
+        self.offloader.reload(bool(non_blocking))
+
+    def state_devices(self, state: OffloadStateType | str) -> set[torch.device]:
+        """The devices whose memory holds `state` (see zero3.get_state_devices)."""
+        self._check_alive()
+        return self.offloader.devices(parse_state(state))
+
+    def state_report(self) -> StateReport:
+        """Per state, where it lives and its bytes there (a dict; `print()` it for a table)."""
+        self._check_alive()
+        return self.offloader.report()
+
+    def _state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
+        if state is OffloadStateType.lp_params:
+            return [self.lp_params]
+        if self.optimizer is None:
+            return []
+        if state is OffloadStateType.hp_params:
+            return [self.optimizer.hp_params]
+        if state is OffloadStateType.lp_grads:
+            return [self.optimizer.lp_grads]
+        if state is OffloadStateType.optim_states:
+            return list(self.optimizer.moments.values())
+        return []  # the scratch bucket is the reducer's (the offloader asks it directly)
+
+    def _check_between_steps(self, what: str) -> None:
+        if self.coordinator.in_forward or self.coordinator.in_backward:
+            raise RuntimeError(f"engine.{what}() was called inside a forward or backward; call it between steps")
+        pinned = [unit.label for unit in self.all_units if unit.pins]
+        if pinned:
+            raise RuntimeError(
+                f"engine.{what}() was called inside GatheredParameters (gathered: {pinned}); call it after the block"
+            )
+
+    def _prepare_offload(self, states: set[OffloadStateType]) -> None:
+        """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
+        self.reducer.finalize()
+        self.coordinator.release_all()
+        if OffloadStateType.lp_params in states and self.persistent_unit is not None:
+            self.persistent_unit.reshard()  # re-gathered by the next forward
+        if self.optimizer is not None and states & {OffloadStateType.hp_params, OffloadStateType.optim_states}:
+            self.optimizer.unbind_views()
+
+    def _require_resident(self, what: str, needed: tuple[OffloadStateType, ...]) -> None:
+        away = self.offloader.missing(needed)
+        if away:
+            names = ", ".join(state.value for state in away)
+            raise StateOffloadedError(
+                f"engine.{what}() needs {names}, offloaded by offload_states(); call engine.reload_states() first"
+            )
+
     # ---- accounting -----------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by state (the 16P/N of ZeRO-3)."""
@@ -339,6 +449,7 @@ class ZeroEngine:
         """Remove every hook and free every buffer. The engine is unusable afterwards."""
         if self._destroyed:
             return
+        self.offloader.close()
         self.coordinator.release_all()
         self.coordinator.remove()
         for handle in self._grad_hook_handles:

@@ -1,0 +1,196 @@
+"""The disk tier: a rank's directory of parked states and the threads that move their bytes.
+
+[Note: disk I/O]
+Each buffer is one file, reserved up front with `posix_fallocate` (so a full
+disk or a file-size limit fails before any state changes, and the file is
+laid out contiguously), then written or read in large chunks by a small
+thread pool: several `pwrite`/`preadv` requests in flight, each a plain
+syscall that releases the GIL. CPU tensors are written from, and read into,
+their own memory: no staging copy. The files are private scratch, not
+checkpoints: they are not fsynced, and are removed once read back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+CHUNK_BYTES = 16 << 20  # large enough to stream, small enough to spread over the threads
+IO_THREADS = 4
+
+
+class OffloadIOError(RuntimeError):
+    """Disk offload or reload failed; the message says which file, what was asked, and what was kept."""
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, sharing its memory (any dtype, bf16 included)."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+def _pread_all(fd: int, into: memoryview, offset: int, path: Path) -> None:
+    while into:
+        count = os.preadv(fd, [into], offset)
+        if count == 0:
+            raise OSError(f"{path} ended at byte {offset}, before the buffer was filled")
+        into = into[count:]
+        offset += count
+
+
+class Transfer:
+    """A set of chunk requests, and a completion that runs once when all of them have ended.
+
+    Made before any request is submitted (so whoever must wait on it can be
+    told first), then given its requests with `track`. `on_done(error)` runs
+    in whichever thread finishes the last request; `wait()` blocks until it
+    has run and returns the first error, or None.
+    """
+
+    def __init__(self, on_done: Callable[[BaseException | None], None]) -> None:
+        self._on_done = on_done
+        self._remaining = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+
+    def track(self, futures: list[Future]) -> "Transfer":
+        if not futures:
+            self._finish()
+            return self
+        self._remaining = len(futures)
+        for future in futures:
+            future.add_done_callback(self._request_done)
+        return self
+
+    def _request_done(self, future: Future) -> None:
+        with self._lock:
+            error = future.exception()
+            if error is not None and self._error is None:
+                self._error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self._on_done(self._error)
+        except BaseException as error:  # noqa: BLE001 - reported by wait(), never lost in a worker
+            self._error = self._error or error
+        finally:
+            self._finished.set()
+
+    def wait(self) -> BaseException | None:
+        self._finished.wait()
+        return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+
+class DiskFile:
+    """One parked buffer's file (its descriptor stays open until it is removed)."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if nbytes:
+                os.posix_fallocate(self.fd, 0, nbytes)
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+class DiskTier:
+    """This rank's directory under the user's nvme_path, and the I/O threads."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.directory: Path | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zero3-disk")
+        return self._pool
+
+    def reserve(self, root: Path, files: dict[str, int]) -> dict[str, DiskFile]:
+        """Create and reserve every file (name -> bytes), or none of them: raises OffloadIOError."""
+        needed = sum(files.values())
+        created: dict[str, DiskFile] = {}
+        try:
+            directory = self._directory(root)
+            free = shutil.disk_usage(directory).free
+            if needed > free:
+                raise OSError(f"{needed} bytes are needed and {free} are free")
+            for name, nbytes in files.items():
+                created[name] = DiskFile(directory / f"{name}.bin", nbytes)
+        except OSError as error:
+            for file in created.values():
+                file.remove()
+            raise OffloadIOError(
+                f"cannot offload {sorted(files)} ({needed} bytes) to disk under {str(root)!r}: {error}. "
+                "Nothing was moved: every state is where it was."
+            ) from error
+        return created
+
+    def _directory(self, root: Path) -> Path:
+        if self.directory is not None and self.directory.parent == root and self.directory.is_dir():
+            return self.directory
+        root.mkdir(parents=True, exist_ok=True)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"zero3-rank{self.rank}-", dir=root))
+        return self.directory
+
+    def write(self, file: DiskFile, source: torch.Tensor) -> list[Future]:
+        """Submit the writes of a contiguous CPU tensor's bytes to `file`, in chunks."""
+        data = _byte_view(source)
+        return [
+            self._executor().submit(_pwrite_all, file.fd, data[start : start + CHUNK_BYTES], start)
+            for start in range(0, len(data), CHUNK_BYTES)
+        ]
+
+    def read(self, file: DiskFile, into: torch.Tensor) -> list[Future]:
+        """Submit the reads of `file` into a contiguous CPU tensor of the same size, in chunks."""
+        data = _byte_view(into)
+        if len(data) != file.nbytes:
+            raise ValueError(f"{file.path} holds {file.nbytes} bytes, the buffer {len(data)}")
+        return [
+            self._executor().submit(_pread_all, file.fd, data[start : start + CHUNK_BYTES], start, file.path)
+            for start in range(0, len(data), CHUNK_BYTES)
+        ]
+
+    def remove_directory_if_empty(self) -> None:
+        if self.directory is not None and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+            self.directory = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None

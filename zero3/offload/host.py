@@ -1,0 +1,72 @@
+"""The host tier: copies of device states in host memory.
+
+[Note: host copies]
+With `pin_memory`, each buffer gets one page-locked host tensor the first
+time it is offloaded, kept and reused on every later cycle (pinning is slow
+and fragments host memory, so it is done once). Non-blocking copies run on a
+side stream that first waits for the compute stream; the source's memory is
+marked as used by that stream (`record_stream`) so the allocator cannot hand
+it out before the copy has read it; and the buffer is given a completion
+that the first reader runs: a host read waits for the device-to-host copy's
+event, a device read makes the compute stream wait for the host-to-device one.
+On a CPU engine nothing here runs: the states already live in host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zero3 import accelerator
+
+
+class HostTier:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned: dict[str, torch.Tensor] = {}
+        self._stream = accelerator.copy_stream(device)
+
+    def _host_tensor(self, name: str, like: torch.Tensor, pin: bool) -> torch.Tensor:
+        if not (pin and accelerator.supports_pinned_memory(self.device)):
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu")
+        host = self.pinned.get(name)
+        if host is None or host.shape != like.shape or host.dtype != like.dtype:
+            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+            self.pinned[name] = host
+        return host
+
+    def to_host(
+        self, name: str, source: torch.Tensor, pin: bool, non_blocking: bool
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A host copy of a device tensor, and the completion a reader must run (None if done)."""
+        host = self._host_tensor(name, source, pin)
+        if not non_blocking or self._stream is None:
+            host.copy_(source)
+            return host, None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(source, non_blocking=True)
+            source.record_stream(self._stream)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return host, copied.synchronize
+
+    def to_device(self, host: torch.Tensor, non_blocking: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A device copy of a host tensor, and the completion a reader must run (None if done)."""
+        target = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        if not non_blocking or self._stream is None:
+            target.copy_(host)
+            return target, None
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            target.copy_(host, non_blocking=True)
+            target.record_stream(self._stream)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return target, lambda: compute.wait_event(copied)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pinned.values())

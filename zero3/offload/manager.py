@@ -1,0 +1,358 @@
+"""`offload_states` / `reload_states`: where each state lives, and moving it there and back.
+
+[Note: offload order]
+An offload changes nothing until it can finish: arguments are checked, and
+disk files are reserved (a full or unwritable disk fails here), before the
+engine is asked to let go of its views (`prepare`: gathered parameters and
+prefetches released, optimizer views dropped). A state's memory is released
+only after every byte of every state in the call is on its new tier: if a
+write fails, the files are removed and every state stays where it was. With
+`non_blocking=True` the disk writes finish in the background: the buffers'
+memory is released by the thread that completes the last write, a reader of
+a buffer in the meantime waits for the writes, and a failed background write
+is reported at the next call (`settle`) with the states left in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from zero3 import accelerator
+from zero3.enums import OffloadDevice, OffloadStateType
+from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer
+from zero3.offload.host import HostTier
+from zero3.offload.report import StateReport
+from zero3.partition.flat_buffer import FlatBuffer
+
+log = logging.getLogger("zero3")
+
+SCRATCH = OffloadStateType.contiguous_grad_buffer
+ON_DISK = "is offloaded to disk; call engine.reload_states() first"
+
+
+class ScratchOwner(Protocol):
+    """What owns the scratch gradient bucket (the GradientReducer)."""
+
+    scratch: FlatBuffer | None
+
+    def free_scratch(self) -> None: ...
+
+    def allocate_scratch(self) -> None: ...
+
+
+@dataclass
+class _Parked:
+    """One buffer's data away from its home device."""
+
+    buffer: FlatBuffer
+    location: OffloadDevice
+    home: torch.device
+    file: DiskFile | None = None
+    writing: Transfer | None = None  # a non-blocking disk write still finishing
+    failed: list[BaseException] = field(default_factory=list)
+
+
+class StateOffloader:
+    """Moves this rank's states between the device, host memory and disk. No collectives."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        rank: int,
+        buffers: Callable[[OffloadStateType], list[FlatBuffer]],
+        scratch: ScratchOwner,
+        default_nvme_path: str | None,
+    ) -> None:
+        self.device = device
+        self._buffers = buffers
+        self._scratch = scratch
+        self._default_nvme_path = default_nvme_path
+        self._parked: dict[OffloadStateType, list[_Parked]] = {}
+        self._loading: dict[OffloadStateType, list[_Parked]] = {}
+        self._scratch_freed = False
+        self.disk = DiskTier(rank)
+        self.host = HostTier(device)
+
+    # ---- where things are ---------------------------------------------------
+    def offloaded(self) -> list[OffloadStateType]:
+        """States away from the device (host, disk, or freed), in API order."""
+        return [
+            state for state in OffloadStateType
+            if state in self._parked or (state is SCRATCH and self._scratch_freed)
+        ]
+
+    def missing(self, needed: Iterable[OffloadStateType]) -> list[OffloadStateType]:
+        """Which of `needed` are offloaded now (after in-flight moves have settled)."""
+        self.settle()
+        away = set(self.offloaded())
+        return [state for state in needed if state in away]
+
+    def devices(self, state: OffloadStateType) -> set[torch.device]:
+        """Where `state` rests: moves in flight are waited for first."""
+        self.settle()
+        if state is SCRATCH:
+            return set() if self._scratch.scratch is None else {self._scratch.scratch.device}
+        return {buffer.device for buffer in self._buffers(state)}
+
+    def report(self) -> StateReport:
+        self.settle()
+        entries: dict[str, dict[str, int]] = {}
+        for state in OffloadStateType:
+            where: dict[str, int] = {}
+            buffers = [self._scratch.scratch] if state is SCRATCH and self._scratch.scratch else []
+            for buffer in buffers if state is SCRATCH else self._buffers(state):
+                key = "nvme" if buffer.parked else str(buffer.device)
+                where[key] = where.get(key, 0) + buffer.nbytes
+            entries[state.value] = where
+        directory = str(self.disk.directory) if self.disk.directory is not None else None
+        return StateReport(entries, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
+
+    # ---- offload ------------------------------------------------------------
+    def resolve_nvme_path(self, nvme_path: str | Path | None) -> Path:
+        path = nvme_path if nvme_path is not None else self._default_nvme_path
+        if not path:
+            raise ValueError(
+                "offload_states(device='nvme') needs a directory: pass nvme_path=... or set "
+                "zero_optimization.offload_param.nvme_path in the config"
+            )
+        return Path(path)
+
+    def offload(
+        self,
+        states: list[OffloadStateType],
+        target: OffloadDevice,
+        pin_memory: bool,
+        non_blocking: bool,
+        nvme_path: Path | None,
+        prepare: Callable[[set[OffloadStateType]], None],
+    ) -> None:
+        self.settle()
+        started = time.perf_counter()
+        away = set(self.offloaded())
+        if away & set(states):
+            log.info("offload_states: %s already offloaded; left as they are", _names(s for s in states if s in away))
+        moving: dict[OffloadStateType, list[FlatBuffer]] = {}
+        in_place: list[OffloadStateType] = []
+        for state in states:
+            if state is SCRATCH or state in away:
+                continue
+            buffers = self._buffers(state)
+            if target is OffloadDevice.cpu and all(b.device.type == "cpu" for b in buffers):
+                in_place.append(state)  # a CPU engine's states already live in host memory
+            elif buffers:
+                moving[state] = buffers
+        if in_place:
+            log.info(
+                "offload_states(device='cpu'): the engine computes on the CPU, so %s already live in host "
+                "memory; nothing to move", _names(in_place),
+            )
+        files: dict[str, DiskFile] = {}
+        if target is OffloadDevice.nvme and moving:
+            assert nvme_path is not None
+            files = self.disk.reserve(nvme_path, {b.name: b.nbytes for bs in moving.values() for b in bs})
+        free_scratch = SCRATCH in states and SCRATCH not in away
+        prepare(set(moving) | ({SCRATCH} if free_scratch else set()))
+        if moving:
+            if target is OffloadDevice.cpu:
+                self._to_host(moving, pin_memory, non_blocking)
+            else:
+                self._to_disk(moving, files, non_blocking)
+            log.info(
+                "offload_states: %s (%s) to %s in %.3f s%s", _names(moving),
+                _mib(sum(b.nbytes for bs in moving.values() for b in bs)),
+                target.value if target is OffloadDevice.cpu else f"disk at {self.disk.directory}",
+                time.perf_counter() - started,
+                ", writes finishing in the background" if non_blocking and target is OffloadDevice.nvme else "",
+            )
+        # Last, so a failed write leaves the scratch bucket where it was too.
+        if free_scratch:
+            freed = self._scratch.scratch.nbytes if self._scratch.scratch is not None else 0
+            self._scratch.free_scratch()
+            self._scratch_freed = True
+            log.info("offload_states: contiguous_grad_buffer freed (%s); reload_states() recreates it", _mib(freed))
+        accelerator.release_host_memory()
+
+    def _to_host(self, moving: dict[OffloadStateType, list[FlatBuffer]], pin: bool, non_blocking: bool) -> None:
+        for state, buffers in moving.items():
+            entries = []
+            for buffer in buffers:
+                home = buffer.device
+                host, complete = self.host.to_host(buffer.name, buffer.tensor, pin, non_blocking)
+                buffer.replace(host, complete)
+                entries.append(_Parked(buffer, OffloadDevice.cpu, home))
+            self._parked[state] = entries
+
+    def _to_disk(
+        self, moving: dict[OffloadStateType, list[FlatBuffer]], files: dict[str, DiskFile], non_blocking: bool
+    ) -> None:
+        entries = [
+            (state, _Parked(buffer, OffloadDevice.nvme, buffer.device, files[buffer.name]))
+            for state, buffers in moving.items() for buffer in buffers
+        ]
+        # The bytes to write: the buffer itself on the CPU; a transient host copy of a device buffer.
+        sources = [e.buffer.tensor if e.home.type == "cpu" else e.buffer.tensor.to("cpu") for _, e in entries]
+
+        def written(error: BaseException | None) -> None:
+            # Runs once, when the last write of the whole call has ended (see the Note).
+            if error is None:
+                for _, entry in entries:
+                    entry.buffer.release(ON_DISK)
+                accelerator.release_host_memory()
+                return
+            for _, entry in entries:
+                assert entry.file is not None
+                entry.file.remove()
+                entry.failed.append(error)
+
+        transfer = Transfer(written)
+        for state, entry in entries:
+            entry.writing = transfer
+            self._parked.setdefault(state, []).append(entry)
+            # A reader waits for the writes (then finds the buffer parked, or intact if they failed).
+            entry.buffer.replace(entry.buffer.tensor, transfer.wait)
+        transfer.track([f for (_, e), source in zip(entries, sources) for f in self.disk.write(e.file, source)])
+        if not non_blocking:
+            self.settle()
+
+    # ---- settle: finish what is in flight ------------------------------------
+    def settle(self) -> None:
+        """Wait for background writes and pending reads; report a failed background write once."""
+        failures: list[str] = []
+        for state, entries in list(self._parked.items()):
+            for entry in entries:
+                if entry.writing is not None:
+                    entry.writing.wait()
+                    entry.writing = None
+                    entry.buffer.wait()
+            if any(entry.failed for entry in entries):
+                del self._parked[state]  # the write failed: the state never left memory
+                failures.append(f"{state.value}: {entries[0].failed[0]}")
+        for state in list(self._loading):
+            self._finish_loading(state)
+        if failures:
+            raise OffloadIOError(
+                "writing states to disk failed, so they stayed in memory, intact (nothing was lost): "
+                + "; ".join(failures)
+            )
+
+    # ---- reload ---------------------------------------------------------------
+    def reload(self, non_blocking: bool) -> None:
+        self.settle()
+        started = time.perf_counter()
+        states = list(self._parked)
+        nbytes = sum(entry.buffer.nbytes for entries in self._parked.values() for entry in entries)
+        errors: list[OffloadIOError] = []
+        for state in states:
+            entries = self._parked.pop(state)
+            self._loading[state] = entries
+            try:
+                for entry in entries:
+                    if entry.location is OffloadDevice.cpu:
+                        target, complete = self.host.to_device(entry.buffer.tensor, non_blocking)
+                        entry.buffer.replace(target, complete)
+                    else:
+                        self._from_disk(entry, non_blocking)
+                if not non_blocking:
+                    self._finish_loading(state)
+            except OffloadIOError as error:
+                errors.append(error)
+                self._repark(state)
+        recreated = self._scratch_freed
+        if recreated:
+            self._scratch.allocate_scratch()
+            self._scratch_freed = False
+        if errors:
+            raise errors[0]
+        if states or recreated:
+            log.info(
+                "reload_states: %s (%s)%s in %.3f s%s", _names(states) or "nothing else", _mib(nbytes),
+                ", contiguous_grad_buffer recreated" if recreated else "", time.perf_counter() - started,
+                ", reads finishing in the background" if non_blocking and states else "",
+            )
+        else:
+            log.info("reload_states: nothing is offloaded; nothing to do")
+
+    def _from_disk(self, entry: _Parked, non_blocking: bool) -> None:
+        assert entry.file is not None
+        staging = torch.empty(entry.buffer.numel, dtype=entry.buffer.dtype, device="cpu")
+        transfer = Transfer(lambda error: None).track(self.disk.read(entry.file, staging))
+
+        def complete() -> None:
+            error = transfer.wait()
+            if error is not None:
+                entry.buffer.release(ON_DISK)  # never expose a half-read buffer
+                assert entry.file is not None
+                raise OffloadIOError(
+                    f"reading state {entry.buffer.state!r} back from {entry.file.path} failed: {error}. "
+                    "The state stays offloaded and its file is kept."
+                ) from error
+
+        if entry.home.type == "cpu":
+            # The reads fill the buffer's new memory directly; a reader waits for them.
+            entry.buffer.replace(staging, complete)
+            return
+        # A device buffer is filled from the host copy once it is read.
+        complete()
+        target, copied = self.host.to_device(staging, non_blocking)
+        entry.buffer.replace(target, copied)
+
+    def _finish_loading(self, state: OffloadStateType) -> None:
+        """Complete a state's reads and remove its files; on a failed read the state is parked again."""
+        entries = self._loading[state]
+        try:
+            for entry in entries:
+                entry.buffer.wait()
+        except OffloadIOError:
+            self._repark(state)
+            raise
+        del self._loading[state]
+        for entry in entries:
+            if entry.file is not None:
+                entry.file.remove()
+        self.disk.remove_directory_if_empty()
+
+    def _repark(self, state: OffloadStateType) -> None:
+        """Put a state whose reload failed back on disk: every buffer, so none is half there."""
+        entries = self._loading.pop(state)
+        for entry in entries:
+            try:
+                entry.buffer.wait()  # no read may still be filling memory we drop
+            except OffloadIOError:
+                pass  # the failure being handled, or another buffer's: the caller raises one
+            if entry.location is OffloadDevice.nvme:
+                entry.buffer.release(ON_DISK)
+        self._parked[state] = entries
+
+    # ---- teardown ---------------------------------------------------------------
+    def close(self) -> None:
+        """Finish or drop everything in flight and remove every file (engine.destroy)."""
+        for entries in list(self._parked.values()) + list(self._loading.values()):
+            for entry in entries:
+                if entry.writing is not None:
+                    entry.writing.wait()
+                try:
+                    entry.buffer.wait()  # a read still filling memory finishes before its file goes
+                except OffloadIOError:
+                    pass  # the engine is going away; its data with it
+                if entry.file is not None:
+                    entry.file.remove()
+        self._parked.clear()
+        self._loading.clear()
+        self.disk.close()
+        self.host.pinned.clear()
+
+
+def _names(states: Iterable[OffloadStateType]) -> str:
+    return ", ".join(state.value for state in states)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
