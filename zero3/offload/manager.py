@@ -78,6 +78,8 @@ class StateOffloader:
         self._parked: dict[OffloadStateType, list[_Parked]] = {}
         self._loading: dict[OffloadStateType, list[_Parked]] = {}
         self._scratch_freed = False
+        # The background writes of the call that freed the scratch bucket: if they fail, it comes back too.
+        self._scratch_freed_with: Transfer | None = None
         self.disk = DiskTier(rank)
         self.host = HostTier(device)
 
@@ -160,11 +162,12 @@ class StateOffloader:
             files = self.disk.reserve(nvme_path, {b.name: b.nbytes for bs in moving.values() for b in bs})
         free_scratch = SCRATCH in states and SCRATCH not in away
         prepare(set(moving) | ({SCRATCH} if free_scratch else set()))
+        writes: Transfer | None = None
         if moving:
             if target is OffloadDevice.cpu:
                 self._to_host(moving, pin_memory, non_blocking)
             else:
-                self._to_disk(moving, files, non_blocking)
+                writes = self._to_disk(moving, files, non_blocking)
             log.info(
                 "offload_states: %s (%s) to %s in %.3f s%s", _names(moving),
                 _mib(sum(b.nbytes for bs in moving.values() for b in bs)),
@@ -177,6 +180,7 @@ class StateOffloader:
             freed = self._scratch.scratch.nbytes if self._scratch.scratch is not None else 0
             self._scratch.free_scratch()
             self._scratch_freed = True
+            self._scratch_freed_with = writes
             log.info("offload_states: contiguous_grad_buffer freed (%s); reload_states() recreates it", _mib(freed))
         accelerator.release_host_memory()
 
@@ -192,7 +196,7 @@ class StateOffloader:
 
     def _to_disk(
         self, moving: dict[OffloadStateType, list[FlatBuffer]], files: dict[str, DiskFile], non_blocking: bool
-    ) -> None:
+    ) -> Transfer:
         entries = [
             (state, _Parked(buffer, OffloadDevice.nvme, buffer.device, files[buffer.name]))
             for state, buffers in moving.items() for buffer in buffers
@@ -221,20 +225,28 @@ class StateOffloader:
         transfer.track([f for (_, e), source in zip(entries, sources) for f in self.disk.write(e.file, source)])
         if not non_blocking:
             self.settle()
+        return transfer
 
     # ---- settle: finish what is in flight ------------------------------------
     def settle(self) -> None:
         """Wait for background writes and pending reads; report a failed background write once."""
         failures: list[str] = []
+        failed_writes: list[Transfer] = []
         for state, entries in list(self._parked.items()):
             for entry in entries:
                 if entry.writing is not None:
                     entry.writing.wait()
+                    if entry.failed:
+                        failed_writes.append(entry.writing)
                     entry.writing = None
                     entry.buffer.wait()
             if any(entry.failed for entry in entries):
                 del self._parked[state]  # the write failed: the state never left memory
                 failures.append(f"{state.value}: {entries[0].failed[0]}")
+        if self._scratch_freed and any(w is self._scratch_freed_with for w in failed_writes):
+            self._scratch.allocate_scratch()  # the failed call is undone whole
+            self._scratch_freed = False
+        self._scratch_freed_with = None  # every write has ended
         for state in list(self._loading):
             self._finish_loading(state)
         if failures:
@@ -321,7 +333,9 @@ class StateOffloader:
 
     def _repark(self, state: OffloadStateType) -> None:
         """Put a state whose reload failed back on disk: every buffer, so none is half there."""
-        entries = self._loading.pop(state)
+        entries = self._loading.pop(state, None)
+        if entries is None:
+            return  # already parked again by the failed read's own handler
         for entry in entries:
             try:
                 entry.buffer.wait()  # no read may still be filling memory we drop
