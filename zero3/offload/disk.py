@@ -151,6 +151,7 @@ class DiskTier:
         except OSError as error:
             for file in created.values():
                 file.remove()
+            self.remove_directory_if_empty()
             raise OffloadIOError(
                 f"cannot offload {sorted(files)} ({needed} bytes) to disk under {str(root)!r}: {error}. "
                 "Nothing was moved: every state is where it was."
