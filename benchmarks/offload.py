@@ -364,6 +364,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _ratio(value: float | None) -> str:
     if value is None:
         return "-"
@@ -398,10 +402,8 @@ def print_report(results: dict[str, Any], console: Any) -> None:
         else:
             table.add_row(
                 row["state"], row["device"], mib,
-                f"{row['offload_gbps']:.2f}", f"{row.get('plain_write_gbps', float('nan')):.2f}",
-                _ratio(row.get("offload_ratio")),
-                f"{row['reload_gbps']:.2f}", f"{row.get('plain_read_gbps', float('nan')):.2f}",
-                _ratio(row.get("reload_ratio")),
+                f"{row['offload_gbps']:.2f}", _num(row.get("plain_write_gbps")), _ratio(row.get("offload_ratio")),
+                f"{row['reload_gbps']:.2f}", _num(row.get("plain_read_gbps")), _ratio(row.get("reload_ratio")),
             )
     console.print(table)
 
@@ -466,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsync + posix_fadvise(DONTNEED) the written files before each timed read "
                    "(ours and plain alike, untimed), so reads come from the disk, not the page cache")
     p.add_argument("--no-non-blocking", dest="non_blocking", action="store_false",
-                   help="skip the non_blocking=True offload measurement")
+                   help="skip the non_blocking=True offload measurement (it runs by default)")
     p.add_argument("--dir", type=Path, default=None,
                    help="directory to offload into (a fresh subdirectory is made and removed); default: a temp "
                    "dir under /tmp")

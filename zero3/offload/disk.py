@@ -7,11 +7,18 @@ laid out contiguously), then written or read in large chunks by a small
 thread pool: several `pwrite`/`preadv` requests in flight, each a plain
 syscall that releases the GIL. CPU tensors are written from, and read into,
 their own memory: no staging copy. The files are private scratch, not
-checkpoints: they are not fsynced, and are removed once read back.
+checkpoints: they are not fsynced, and are removed once read back (off the
+caller's path: unlinking a large file takes milliseconds).
+
+A reload needs fresh memory, and faulting it in 4 KiB at a time costs more
+than reading the bytes from the page cache; `empty_host` maps it anonymously
+with transparent huge pages advised (2 MiB faults), which is also what lets a
+later offload hand it straight back to the OS.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -28,6 +35,24 @@ IO_THREADS = 4
 
 class OffloadIOError(RuntimeError):
     """Disk offload or reload failed; the message says which file, what was asked, and what was kept."""
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def empty_host(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host memory for a reload, huge-page backed where the kernel allows it."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE_BYTES or advise is None:
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advise)
+    except OSError:
+        pass  # THP disabled ("never"): ordinary pages, same data
+    # The tensor keeps the mapping alive; when the tensor is freed, the pages go back to the OS.
+    return torch.frombuffer(region, dtype=dtype, count=numel)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -131,6 +156,7 @@ class DiskTier:
         self.rank = rank
         self.directory: Path | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._removals: list[Future] = []
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -141,6 +167,7 @@ class DiskTier:
         """Create and reserve every file (name -> bytes), or none of them: raises OffloadIOError."""
         needed = sum(files.values())
         created: dict[str, DiskFile] = {}
+        self.finish_removals()
         try:
             directory = self._directory(root)
             free = shutil.disk_usage(directory).free
@@ -183,12 +210,23 @@ class DiskTier:
             for start in range(0, len(data), CHUNK_BYTES)
         ]
 
+    def discard(self, files: list[DiskFile]) -> None:
+        """Remove files in the background; `finish_removals` waits for them."""
+        self._removals.extend(self._executor().submit(file.remove) for file in files)
+
+    def finish_removals(self) -> None:
+        removals, self._removals = self._removals, []
+        for removal in removals:
+            removal.result()
+        self.remove_directory_if_empty()
+
     def remove_directory_if_empty(self) -> None:
         if self.directory is not None and self.directory.is_dir() and not any(self.directory.iterdir()):
             self.directory.rmdir()
             self.directory = None
 
     def close(self) -> None:
+        self.finish_removals()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -27,7 +27,7 @@ import torch
 
 from zero3 import accelerator
 from zero3.enums import OffloadDevice, OffloadStateType
-from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer
+from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer, empty_host
 from zero3.offload.host import HostTier
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import FlatBuffer
@@ -229,7 +229,7 @@ class StateOffloader:
 
     # ---- settle: finish what is in flight ------------------------------------
     def settle(self) -> None:
-        """Wait for background writes and pending reads; report a failed background write once."""
+        """Wait for background writes, reads and file removals; report a failed background write once."""
         failures: list[str] = []
         failed_writes: list[Transfer] = []
         for state, entries in list(self._parked.items()):
@@ -249,6 +249,7 @@ class StateOffloader:
         self._scratch_freed_with = None  # every write has ended
         for state in list(self._loading):
             self._finish_loading(state)
+        self.disk.finish_removals()
         if failures:
             raise OffloadIOError(
                 "writing states to disk failed, so they stayed in memory, intact (nothing was lost): "
@@ -294,7 +295,7 @@ class StateOffloader:
 
     def _from_disk(self, entry: _Parked, non_blocking: bool) -> None:
         assert entry.file is not None
-        staging = torch.empty(entry.buffer.numel, dtype=entry.buffer.dtype, device="cpu")
+        staging = empty_host(entry.buffer.numel, entry.buffer.dtype)
         transfer = Transfer(lambda error: None).track(self.disk.read(entry.file, staging))
 
         def complete() -> None:
@@ -326,10 +327,7 @@ class StateOffloader:
             self._repark(state)
             raise
         del self._loading[state]
-        for entry in entries:
-            if entry.file is not None:
-                entry.file.remove()
-        self.disk.remove_directory_if_empty()
+        self.disk.discard([entry.file for entry in entries if entry.file is not None])
 
     def _repark(self, state: OffloadStateType) -> None:
         """Put a state whose reload failed back on disk: every buffer, so none is half there."""
