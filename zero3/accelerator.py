@@ -44,11 +44,6 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-def memory_allocated(device: torch.device) -> int:
-    """Bytes the allocator holds for tensors on `device` (0 on the CPU, where RSS is the figure)."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
 def release_host_memory() -> None:
     """Hand freed heap pages back to the OS.
 

@@ -123,10 +123,6 @@ class Transfer:
         self._finished.wait()
         return self._error
 
-    @property
-    def done(self) -> bool:
-        return self._finished.is_set()
-
 
 class DiskFile:
     """One parked buffer's file (its descriptor stays open until it is removed)."""

@@ -79,10 +79,6 @@ class FlatBuffer:
         if complete is not None:
             complete()
 
-    @property
-    def pending(self) -> bool:
-        return self._complete is not None
-
     # ---- facts that need no data ---------------------------------------------
     @property
     def parked(self) -> bool:
