@@ -97,20 +97,23 @@ class StateOffloader:
         away = set(self.offloaded())
         return [state for state in needed if state in away]
 
+    def _held(self, state: OffloadStateType) -> list[FlatBuffer]:
+        """The buffers that hold `state` now (the scratch bucket's, if it exists)."""
+        if state is SCRATCH:
+            return [self._scratch.scratch] if self._scratch.scratch is not None else []
+        return self._buffers(state)
+
     def devices(self, state: OffloadStateType) -> set[torch.device]:
         """Where `state` rests: moves in flight are waited for first."""
         self.settle()
-        if state is SCRATCH:
-            return set() if self._scratch.scratch is None else {self._scratch.scratch.device}
-        return {buffer.device for buffer in self._buffers(state)}
+        return {buffer.device for buffer in self._held(state)}
 
     def report(self) -> StateReport:
         self.settle()
         entries: dict[str, dict[str, int]] = {}
         for state in OffloadStateType:
             where: dict[str, int] = {}
-            buffers = [self._scratch.scratch] if state is SCRATCH and self._scratch.scratch else []
-            for buffer in buffers if state is SCRATCH else self._buffers(state):
+            for buffer in self._held(state):
                 key = "nvme" if buffer.parked else str(buffer.device)
                 where[key] = where.get(key, 0) + buffer.nbytes
             entries[state.value] = where
