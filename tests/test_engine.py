@@ -106,11 +106,12 @@ def test_persistent_params_stay_whole_and_are_counted() -> None:
 def count_collectives(rank: int, world: int) -> dict:
     import zero3.comm as comm
 
-    calls = {"all_gather": 0, "reduce_scatter": 0}
+    calls = {"all_gather": 0, "reduce_scatter": 0, "marker": 0}
     real_ag, real_rs = comm._all_gather_flat, comm._reduce_scatter_flat
+    control: list = []
 
     def all_gather(*a, **k):
-        calls["all_gather"] += 1
+        calls["marker" if control and k.get("group") is control[0] else "all_gather"] += 1
         return real_ag(*a, **k)
 
     def reduce_scatter(*a, **k):
@@ -121,6 +122,7 @@ def count_collectives(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()
     engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    control.append(engine.comm.control_group)
     statuses: list[tuple[str, zero3.ParamStatus, zero3.ParamStatus]] = []
 
     params = dict(model.named_parameters())  # iteration does not gather; attribute reads would
@@ -130,7 +132,7 @@ def count_collectives(rank: int, world: int) -> dict:
 
     model.fc2.register_forward_pre_hook(watch)  # runs after the engine's own pre-hook
     x, y = models.batches("x8", 1, 4)[0]
-    calls.update(all_gather=0, reduce_scatter=0)
+    calls.update(all_gather=0, reduce_scatter=0, marker=0)
     engine.backward(engine(x, y))
     first = dict(calls)
     engine.step()
@@ -142,11 +144,13 @@ def count_collectives(rank: int, world: int) -> dict:
 def test_one_all_gather_per_module_and_one_reduce_scatter_per_bucket() -> None:
     for result in run_ranks(2, count_collectives):
         # 3 Linear modules, each gathered as ONE flat all-gather (weight and bias together) in
-        # forward, and again in backward; all 6 gradients travel in ONE reduce-scatter.
-        assert result["first"] == {"all_gather": 6, "reduce_scatter": 1}
+        # forward, and again in backward; all 6 gradients travel in ONE reduce-scatter. Each
+        # pass ends with one small marker on the control group (ranks agree the pass is over).
+        assert result["first"] == {"all_gather": 6, "reduce_scatter": 1, "marker": 2}
         name, fc2_status, fc3_status = result["statuses"][0]
         assert fc2_status is zero3.ParamStatus.AVAILABLE  # inside its own forward
-        assert fc3_status is zero3.ParamStatus.NOT_AVAILABLE  # not fetched yet (no trace on step 1)
+        # Step 1 has no trace yet: the walk prefetches in registration order.
+        assert fc3_status is zero3.ParamStatus.INFLIGHT
         assert result["after_step"] is zero3.ParamStatus.NOT_AVAILABLE
 
 
@@ -177,8 +181,9 @@ def test_param_status_walks_not_available_inflight_available_and_back() -> None:
     na, inflight, available = (zero3.ParamStatus.NOT_AVAILABLE, zero3.ParamStatus.INFLIGHT,
                                zero3.ParamStatus.AVAILABLE)
     for seen in run_ranks(2, prefetch_status):
-        assert seen[0] == [na, na, available, na]  # step 1: no trace yet, fetched on demand
-        # Later steps: the previous forward's order prefetches fc2 while fc1 runs.
+        # Step 1 prefetches in registration order; later steps along the previous forward's
+        # order: fc2 is in flight while fc1 runs, whole inside its forward, released after.
+        assert seen[0] == [na, inflight, available, na]
         assert seen[1] == [na, inflight, available, na]
         assert seen[2] == [na, inflight, available, na]
 

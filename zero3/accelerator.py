@@ -10,14 +10,113 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is usable, else the CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+# Environment variables that choose the device, in precedence order. DS_ACCELERATOR
+# is DeepSpeed's name for the same choice, honoured for users moving over.
+DEVICE_VARIABLES = ("ZERO3_ACCELERATOR", "DS_ACCELERATOR")
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class DeviceChoiceError(ValueError):
+    """The device setting names something this machine or this job cannot use."""
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """The device this rank computes on. One rule for `zero3.Init` and `zero3.initialize`:
+
+    1. an explicit `device` ("cpu", "cuda", "cuda:1", a torch.device);
+    2. ZERO3_ACCELERATOR, else DS_ACCELERATOR ("cpu" or "cuda");
+    3. an existing default process group's backend (gloo: the CPU, nccl: CUDA);
+    4. auto: cuda:LOCAL_RANK when CUDA is usable, else the CPU.
+
+    "cuda" without an index means cuda:LOCAL_RANK, and is refused when this
+    machine has fewer GPUs than local ranks: ranks are never wrapped onto a
+    shared GPU (NCCL refuses that with "Duplicate GPU detected").
+    """
+    if device is not None:
+        chosen = _parse_device(device, "device=")
+        source = f"device={str(device)!r}"
+    else:
+        chosen, source = _from_environment()
+    if chosen is None:
+        chosen, source = _from_process_group()
+    if chosen is None:
+        usable = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        chosen, source = torch.device("cuda" if usable else "cpu"), "auto"
+    if chosen.type == "cuda":
+        chosen = _cuda_for_this_rank(chosen, source)
+    _check_against_process_group(chosen, source)
+    return chosen
+
+
+def _parse_device(value: object, what: str) -> torch.device:
+    try:
+        parsed = torch.device(value)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in _DEVICE_TYPES:
+        raise DeviceChoiceError(f"{what}{value!r} is not a device zero3 runs on; expected 'cpu' or 'cuda' (or 'cuda:N')")
+    return parsed
+
+
+def _from_environment() -> tuple[torch.device | None, str]:
+    for variable in DEVICE_VARIABLES:
+        value = os.environ.get(variable)
+        if value is None or value == "":
+            continue
+        if value.strip().lower() not in _DEVICE_TYPES:
+            raise DeviceChoiceError(
+                f"{variable}={value!r} is not a device zero3 runs on; expected one of {', '.join(_DEVICE_TYPES)}"
+            )
+        return torch.device(value.strip().lower()), f"{variable}={value}"
+    return None, ""
+
+
+def _from_process_group() -> tuple[torch.device | None, str]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, ""
+    backend = str(dist.get_backend())
+    # "cpu:gloo,cuda:nccl" style backends serve both; the accelerator wins there.
+    if "nccl" in backend:
+        return torch.device("cuda"), f"the process group's backend {backend!r}"
+    return torch.device("cpu"), f"the process group's backend {backend!r}"
+
+
+def _cuda_for_this_rank(device: torch.device, source: str) -> torch.device:
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise DeviceChoiceError(
+            f"{source} asks for CUDA, but torch sees no usable CUDA device here; "
+            f"set {DEVICE_VARIABLES[0]}=cpu to run on the CPU"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None:
+        if device.index >= count:
+            raise DeviceChoiceError(f"{source} names cuda:{device.index}, but this machine has {count} CUDA device(s)")
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if local_world > count or local_rank >= count:
+        raise DeviceChoiceError(
+            f"{max(local_world, local_rank + 1)} local ranks but only {count} CUDA device(s) on this machine "
+            f"(device chosen by {source}): each rank needs a GPU of its own. Launch at most {count} ranks per "
+            f"node, or set {DEVICE_VARIABLES[0]}=cpu to run every rank on the CPU"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _check_against_process_group(device: torch.device, source: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend())
+    wanted = communication_backend(device)
+    if wanted not in backend:
+        raise DeviceChoiceError(
+            f"{source} picks {device}, but the default process group was created with backend {backend!r}, "
+            f"which cannot run zero3's collectives on {device.type} tensors; create the group with "
+            f"backend {wanted!r}, or choose the device that matches it"
+        )
 
 
 def communication_backend(device: torch.device) -> str:

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "min(100, steps/10) steps (at least 1)")
     run.add_argument("--precision", choices=_PRECISIONS, default="bf16",
                      help="compute precision: fp32, bf16, or fp16 with dynamic loss scaling")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where the ranks compute: auto follows ZERO3_ACCELERATOR, then CUDA "
+                     "when this machine has a GPU per rank, else the CPU")
     run.add_argument("--seed", type=non_negative_int, default=0,
                      help="seed of the model init and of the batch sampling")
     run.add_argument("--log-every", type=positive_int, default=10, metavar="STEPS",
@@ -233,6 +236,7 @@ class TrainJob:
     precision: str
     micro_batch: int
     grad_accum: int
+    device: str | None = None  # None: zero3's own rule (zero3.accelerator.resolve_device)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -265,6 +269,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         precision=_PRECISION_NAMES[parsed.compute_dtype],
         micro_batch=batch.micro_batch_per_gpu,
         grad_accum=batch.gradient_accumulation_steps,
+        device=None if args.device == "auto" else args.device,
     )
     return _launch(job, args.nproc)
 
@@ -324,7 +329,7 @@ def _batch_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
-def _init_process_group() -> None:
+def _init_process_group(device_choice: str | None) -> None:
     """Join the elastic launcher's rendezvous before the engine looks for a group.
 
     The engine joins an existing default group, and this command needs that same
@@ -332,7 +337,7 @@ def _init_process_group() -> None:
     """
     from zero3 import accelerator, comm
 
-    device = accelerator.default_device()
+    device = accelerator.resolve_device(device_choice)
     accelerator.set_device(device)
     comm.init_distributed(device)
 
@@ -341,7 +346,7 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     """Runs in every spawned process (module level, so it can be pickled)."""
     import zero3  # the engine is only needed by the workers
 
-    _init_process_group()
+    _init_process_group(job.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(job.seed)
 
@@ -352,10 +357,10 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     tokens = tokenizer.encode(corpus)
 
     cfg = job.ds_config
-    with zero3.Init(config=cfg):
+    with zero3.Init(config=cfg, device=job.device):
         model = GPT(job.model)
     engine, _, _, _ = zero3.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg
+        model=model, model_parameters=model.parameters(), config=cfg, device=job.device
     )
 
     console = Console()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,42 +45,124 @@ def init_distributed(device: torch.device) -> None:
 
 
 class Communicator:
-    """The collectives of one data-parallel group, on flat tensors only."""
+    """The collectives of one data-parallel group, on flat tensors only.
 
+    [Note: three groups]
+    Parameter all-gathers run on `group`, in the order of the lockstep gather
+    walk (zero3.runtime.gather_walk), which every rank issues identically.
+    Gradient reduce-scatters run in a canonical bucket order, but at times
+    that depend on each rank's backward, so they get a group of their own
+    (`reduce_group`): a collective sequence must match only within a group.
+    The walk's markers are small host tensors on a gloo group (`control_group`),
+    so reading one never waits on the accelerator. `open_side_groups` makes
+    the two extra groups (a collective call, made by the engine on every
+    rank); `close` destroys them. A world of one needs neither.
+    """
+
+    # [Note: the worker's tensors]
+    # A gloo collective runs on a worker thread, which lets go of the work (and
+    # the tensors in it) only after `wait()` has returned to us. If Python has
+    # dropped those tensors by then, the worker must take the GIL to free their
+    # Python objects; at interpreter exit CPython kills a thread that asks for
+    # the GIL, here inside a C++ destructor, and the process aborts with
+    # "terminate called without an active exception" (2 of 40 two-rank jobs that
+    # ended in destroy_process_group()). So each collective gets private aliases
+    # of its tensors, kept here until the worker has let go of them (an alias's
+    # use count falls to 1, ours); the worker's release is then never the last.
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self._handed_over: list[_HandedOver] = []
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.reduce_group: dist.ProcessGroup | None = group
+        self.control_group: dist.ProcessGroup | None = group
+        self._side_groups: list[dist.ProcessGroup] = []
+
+    def open_side_groups(self) -> None:
+        if self.world_size == 1 or self._side_groups:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        backend = dist.get_backend(self.group)
+        self.reduce_group = dist.new_group(ranks=ranks, backend=backend)
+        self.control_group = dist.new_group(ranks=ranks, backend="gloo")
+        self._side_groups = [self.reduce_group, self.control_group]
+
+    def close(self) -> None:
+        """Destroy the side groups (every rank calls this, as it called `open_side_groups`)."""
+        groups, self._side_groups = self._side_groups, []
+        for entry in self._handed_over:
+            if entry.work is not None:
+                entry.work.wait()
+        self._forget_released()
+        self.reduce_group = self.control_group = self.group
+        if dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
 
     def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output[r*n:(r+1)*n] = rank r's `shard` (n = shard.numel())."""
         if self.world_size == 1:
             output.copy_(shard)
             return None
-        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        out, inp = self._hand_over(output, shard)
+        return self._started(_all_gather_flat(out, inp, group=self.group, async_op=True), async_op)
 
     def reduce_scatter_flat(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel())."""
+        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group."""
         if self.world_size == 1:
             output.copy_(full)
             return None
-        return _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        out, inp = self._hand_over(output, full)
+        work = _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
+        return self._started(work, async_op)
+
+    def all_gather_control(self, values: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start gathering a small host tensor from every rank on the control group: ([world, n], work)."""
+        output = torch.empty((self.world_size, values.numel()), dtype=values.dtype)
+        if self.world_size == 1:
+            output[0].copy_(values)
+            return output, None
+        out, inp = self._hand_over(output.view(-1), values)
+        return output, self._started(_all_gather_flat(out, inp, group=self.control_group, async_op=True), True)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        return tensor
-
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            (alias,) = self._hand_over(tensor)
+            self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=self.group, async_op=True), False)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+            root = dist.get_global_rank(self.group, src) if self.group else src
+            (alias,) = self._hand_over(tensor)
+            self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+    def _hand_over(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Private aliases (same storage) of a collective's tensors; see the Note."""
+        self._forget_released()
+        aliases = tuple(t.detach() for t in tensors)
+        self._handed_over.append(_HandedOver(None, aliases))
+        return aliases
+
+    def _started(self, work: dist.Work, async_op: bool) -> dist.Work | None:
+        self._handed_over[-1].work = work
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _forget_released(self) -> None:
+        kept = []
+        for entry in self._handed_over:
+            if entry.work is not None and entry.work.is_completed():
+                entry.work = None  # the worker may still hold it; our aliases keep its tensors' last reference
+            if entry.work is not None or any(alias._use_count() > 1 for alias in entry.aliases):
+                kept.append(entry)
+        self._handed_over = kept
+
+
+@dataclass
+class _HandedOver:
+    work: dist.Work | None
+    aliases: tuple[torch.Tensor, ...]

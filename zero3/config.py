@@ -32,6 +32,7 @@ __all__ = [
     "BatchSizes",
     "BF16Config",
     "ConfigError",
+    "DataTypesConfig",
     "FP16Config",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -293,6 +294,17 @@ class ZeroConfig(_Model):
         return stage
 
 
+# -------------------------------------------------------------- data types
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DtypeName = Literal["fp32", "fp16", "bf16"]
+
+
+class DataTypesConfig(_Model):
+    # The dtype gradients accumulate in across micro-steps (None: the compute dtype).
+    grad_accum_dtype: _DtypeName | None = None
+
+
 # ------------------------------------------------------------------- top level
 
 
@@ -315,6 +327,13 @@ class Zero3Config(_Model):
     bf16: BF16Config = BF16Config()
     fp16: FP16Config = FP16Config()
     zero_optimization: ZeroConfig = ZeroConfig()
+    data_types: DataTypesConfig = DataTypesConfig()
+    # The dtype gradients are summed across ranks in (None: the compute dtype).
+    communication_data_type: _DtypeName | None = None
+    # Gradients are divided by this before the sum across ranks and by world/this
+    # after it (1.0: sum, then average; world size: average first, no fp16 overflow).
+    gradient_predivide_factor: float = Field(default=1.0, gt=0)
+    prescale_gradients: bool = False
     steps_per_print: int = Field(default=10, gt=0)
     wall_clock_breakdown: bool = False
 
@@ -333,6 +352,49 @@ class Zero3Config(_Model):
         if self.fp16.enabled:
             return torch.float16
         return torch.float32
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        name = self.data_types.grad_accum_dtype
+        return _DTYPES[name] if name is not None else self.compute_dtype
+
+    @property
+    def communication_dtype(self) -> torch.dtype:
+        name = self.communication_data_type
+        return _DTYPES[name] if name is not None else self.compute_dtype
+
+    def ignored_settings(self) -> list[str]:
+        """One message per key the user set that zero3 accepts (for DeepSpeed configs) but does not act on."""
+        zc = self.zero_optimization
+        notes: list[str] = []
+
+        def note(key: str, value: Any, why: str) -> None:
+            notes.append(f"config key {key}={_show(value)} has no effect in zero3: {why}")
+
+        if "stage3_max_reuse_distance" in zc.model_fields_set:
+            note("zero_optimization.stage3_max_reuse_distance", zc.stage3_max_reuse_distance,
+                 "a unit is released as soon as nothing holds it, and gathered again ahead of its next use "
+                 "along the recorded order (stage3_prefetch_bucket_size bounds how far ahead)")
+        if "contiguous_gradients" in zc.model_fields_set and not zc.contiguous_gradients:
+            note("zero_optimization.contiguous_gradients", False,
+                 "gradients always reduce into one flat buffer per rank")
+        if "stage3_gather_16bit_weights_on_model_save" in zc.model_fields_set:
+            note("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                 zc.stage3_gather_16bit_weights_on_model_save,
+                 "zero3 has no save_16bit_model yet")
+        for key, tier in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
+            if tier.device != "none":
+                continue  # the engine refuses such a tier itself
+            for field in ("pin_memory", "buffer_count") + (("nvme_path",) if key == "offload_optimizer" else ()):
+                if field in tier.model_fields_set:
+                    note(f"zero_optimization.{key}.{field}", getattr(tier, field), f"{key}.device is 'none'")
+        if self.optimizer is not None and "torch_adam" in self.optimizer.params.model_fields_set:
+            note("optimizer.params.torch_adam", self.optimizer.params.torch_adam,
+                 "zero3 always steps torch's own Adam/AdamW (fused on CUDA)")
+        if "gradient_predivide_factor" in self.model_fields_set and self.prescale_gradients:
+            note("gradient_predivide_factor", self.gradient_predivide_factor,
+                 "prescale_gradients is true, which divides by the world size before the sum")
+        return notes
 
     def resolve_batch(self, world_size: int) -> BatchSizes:
         """Fill in the missing batch sizes the way DeepSpeed does.

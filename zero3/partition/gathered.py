@@ -7,7 +7,7 @@ from types import TracebackType
 
 import torch
 
-from zero3.partition.sharded_param import sharded
+from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit
 
 
@@ -15,7 +15,9 @@ class GatheredParameters:
     """Gather `params` on entry and release them on exit.
 
     With `modifier_rank=r`, rank r's values on exit (edited in place inside the
-    block) are broadcast and become every rank's shards, fp32 master included.
+    block) are broadcast and become every rank's shards, fp32 master included,
+    for the listed parameters only: the others gathered with them (a unit is
+    gathered whole) keep their masters bit-identical.
     Must be entered on every rank (it is collective). Tensors that are not
     partitioned are accepted and left alone, as in DeepSpeed.
     """
@@ -34,10 +36,12 @@ class GatheredParameters:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"GatheredParameters: expected parameters, got {type(p).__name__}")
         units: dict[int, GatherUnit] = {}
+        self.listed: set[ShardedParam] = set()
         for p in candidates:
             sp = sharded(p)
             if sp is not None and sp.unit is not None:
                 units.setdefault(id(sp.unit), sp.unit)
+                self.listed.add(sp)
         self.units = list(units.values())
         if modifier_rank is not None and self.units:
             world = self.units[0].comm.world_size
@@ -52,7 +56,7 @@ class GatheredParameters:
         for unit in self.units:
             unit.pins += 1
         for unit in self.units:  # issue every all-gather before waiting on any
-            unit.start_unshard(async_op=True)
+            unit.fetch()
         for unit in self.units:
             unit.wait()
         return self
@@ -68,7 +72,7 @@ class GatheredParameters:
                     for unit in self.units:
                         assert unit.unsharded is not None
                         unit.comm.broadcast(unit.unsharded, src=self.modifier_rank)
-                        unit.write_back()
+                        unit.write_back(self.listed)
         finally:
             for unit in self.units:
                 unit.pins -= 1

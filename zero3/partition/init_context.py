@@ -160,7 +160,8 @@ class Init:
         config = config if config is not None else config_dict_or_path
         cfg = load_config(config if config is not None else {})
         self.enabled = enabled
-        self.device = torch.device(device) if device is not None else accelerator.default_device()
+        # Disabled, the context builds nothing, so a device setting it cannot use is no error.
+        self.device = accelerator.resolve_device(device) if enabled else torch.device("cpu")
         self.dtype = dtype or cfg.compute_dtype
         self.placeholders: dict[int, ShardedParam] = {}
         self._constructing: set[int] = set()

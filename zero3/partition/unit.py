@@ -38,6 +38,7 @@ class GatherUnit:
         self.label = label
         self.persistent = False
         self.shard_numel = sum(sp.shard_numel for sp in params)
+        self.numel = sum(sp.numel for sp in params)
         self.state = UnitState.SHARDED
         self.lp_slot: Slot | None = None
         self._work: dist.Work | None = None
@@ -48,8 +49,12 @@ class GatherUnit:
         self.pins = 0  # GatheredParameters contexts
         self.backward_held = False
         self.pending_grads = 0
-        # Told of every gather and release (the runtime maps gathered storage back to units).
-        self.observer: Callable[["GatherUnit", bool], None] | None = None
+        # Told of every state change (old, new): the runtime maps gathered storage
+        # back to units and counts the gathered elements.
+        self.observer: Callable[["GatherUnit", UnitState, UnitState], None] | None = None
+        # How a runtime brings the unit in while it drives the gathers (its lockstep
+        # walk); None: gather directly. Used by `fetch`.
+        self.fetcher: Callable[["GatherUnit"], None] | None = None
         for sp in params:
             sp.unit = self
 
@@ -61,10 +66,6 @@ class GatherUnit:
         for sp in self.params:
             sp.lp_slot = Slot(buffer, cursor, sp.shard_numel)
             cursor += sp.shard_numel
-
-    @property
-    def numel(self) -> int:
-        return sum(sp.numel for sp in self.params)
 
     @property
     def status(self) -> ParamStatus:
@@ -79,6 +80,18 @@ class GatherUnit:
         return self.params[0].placeholder.device
 
     # ---- transitions -----------------------------------------------------
+    def _set_state(self, new: UnitState) -> None:
+        old, self.state = self.state, new
+        if self.observer is not None:
+            self.observer(self, old, new)
+
+    def fetch(self) -> None:
+        """Start bringing the unit in (the runtime's way, if it drives the gathers); `wait` completes it."""
+        if self.fetcher is not None:
+            self.fetcher(self)
+        else:
+            self.start_unshard(async_op=True)
+
     def start_unshard(self, async_op: bool) -> None:
         """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED."""
         if self.state is not UnitState.SHARDED:
@@ -88,7 +101,7 @@ class GatherUnit:
         output = torch.empty(world * self.shard_numel, dtype=self.dtype, device=self.device)
         self._work = self.comm.all_gather_flat(output, self.lp_slot.view(), async_op=async_op)
         self._gather_output = output
-        self.state = UnitState.INFLIGHT
+        self._set_state(UnitState.INFLIGHT)
         if not async_op:
             self.wait()
 
@@ -119,9 +132,7 @@ class GatherUnit:
         for sp in self.params:
             sp.set_full(self.unsharded[cursor : cursor + sp.numel].view(sp.shape))
             cursor += sp.padded_numel
-        self.state = UnitState.UNSHARDED
-        if self.observer is not None:
-            self.observer(self, True)
+        self._set_state(UnitState.UNSHARDED)
 
     def unshard(self) -> None:
         self.start_unshard(async_op=False)
@@ -132,12 +143,10 @@ class GatherUnit:
         if self.state is UnitState.SHARDED:
             return
         self.wait()
-        if self.observer is not None:
-            self.observer(self, False)
+        self._set_state(UnitState.SHARDED)
         for sp in self.params:
             sp.set_released()
         self.unsharded = None
-        self.state = UnitState.SHARDED
 
     @property
     def needed(self) -> bool:
@@ -147,12 +156,17 @@ class GatherUnit:
         if not self.needed:
             self.reshard()
 
-    def write_back(self) -> None:
-        """Store the current full values (edited in place by the user) into the shards."""
+    def write_back(self, params: "set[ShardedParam] | None" = None) -> None:
+        """Store the current full values (edited in place by the user) into the shards.
+
+        Only `params` (all, if None): writing a parameter's master from its 16-bit
+        value rounds it, so a parameter nobody edited must keep its master.
+        """
         if self.state is not UnitState.UNSHARDED:
             raise RuntimeError(f"unit {self.label} is not gathered; nothing to write back")
         for sp in self.params:
-            sp.write_full(sp.param.data)
+            if params is None or sp in params:
+                sp.write_full(sp.param.data)
 
     def unsharded_nbytes(self) -> int:
         return 0 if self.unsharded is None else self.unsharded.numel() * self.unsharded.element_size()

@@ -1,4 +1,4 @@
-"""When parameters are gathered and released: module hooks, prefetch, backward.
+"""When parameters are gathered and released: module hooks, the gather walks, backward.
 
 [Note: who holds a gathered unit]
 A unit stays gathered while anyone needs it (`GatherUnit.needed`):
@@ -12,12 +12,20 @@ A unit stays gathered while anyone needs it (`GatherUnit.needed`):
   a gathered unit's storage is saved as a reference (the storage is freed on
   release); unpacking it in backward re-gathers the unit and holds it until
   all of the unit's gradients have been accumulated. Any use of a parameter in
-  backward, whichever module made it, is therefore covered.
-* prefetch: the order of acquisitions is recorded every forward; the next
-  forward (and the backward, in reverse) issues async all-gathers ahead along
-  the previous order while the actual order matches it. On the first
-  mismatch prefetching stops for that pass: a stale trace costs overlap,
-  never correctness. Unclaimed prefetches are released when the pass ends.
+  backward, whichever module made it, is therefore covered. Every other saved
+  tensor is saved detached: saving the tensor itself would let an output hold
+  its own graph node, a reference cycle that keeps a forward's activations
+  alive after its output is dropped.
+* the gather walk: every gather of a pass goes through that pass's lockstep
+  walk (zero3.runtime.gather_walk), which also prefetches. Units it gathered
+  ahead are held by the walk until claimed, or released when it needs room
+  or the pass ends.
+
+A pass is a root forward, or a backward (begun by `engine.backward`, or by
+the first saved tensor or gradient of a plain `loss.backward()`). When one
+ends, every rank leaves it together (the walk's last marker), so an
+exception in forward or backward that every rank raises leaves nothing
+gathered or in flight.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zero3.comm import Communicator
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, UnitState
+from zero3.runtime.gather_walk import GatherWalk, LiveCount
 
 
 @dataclasses.dataclass
@@ -76,6 +86,7 @@ class ParamCoordinator:
         module: nn.Module,
         units: list[GatherUnit],
         module_units: dict[nn.Module, list[GatherUnit]],
+        comm: Communicator,
         prefetch_numel: int,
         max_live_numel: int,
         persistent_unit: GatherUnit | None = None,
@@ -84,25 +95,27 @@ class ParamCoordinator:
         self.units = units
         # Gathered once and kept; released only when its shards are offloaded.
         self.persistent_unit = persistent_unit
-        self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
         self._module_units = module_units
+        self.live = LiveCount()
+        self.forward_walk = GatherWalk("forward", units, comm, self.live, prefetch_numel, max_live_numel)
+        self.backward_walk = GatherWalk("backward", units, comm, self.live, prefetch_numel, max_live_numel)
+        self.backward_walk.set_order(list(reversed(range(len(units)))))
+        self.forward_walk.set_order(list(range(len(units))))
+        self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
         self._forward_depth = 0
+        self._owns_forward_pass = False
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._by_storage: dict[int, GatherUnit] = {}
         self._root_returned: list[GatherUnit] = []
-        self._prefetched: set[GatherUnit] = set()
-        # Acquisition order of the previous and the current forward.
-        self._last_trace: list[GatherUnit] = []
-        self._trace: list[GatherUnit] = []
-        self._trace_matches = False
-        self._backward_order: list[GatherUnit] = []
-        self._backward_pos = 0
+        # Units acquired by a forward since the last backward ended: only their
+        # parameters can receive gradients (the reducer counts the others as zero).
+        self.used_since_backward: set[GatherUnit] = set()
         self._in_backward = False
         self._handles: list[RemovableHandle] = []
-        for unit in units:
+        for unit in units + ([persistent_unit] if persistent_unit is not None else []):
             unit.observer = self._observe
+            unit.fetcher = self._fetch
             for sp in unit.params:
                 sp.on_access = self._on_access
 
@@ -121,8 +134,9 @@ class ParamCoordinator:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for unit in self.units:
+        for unit in self.units + ([self.persistent_unit] if self.persistent_unit is not None else []):
             unit.observer = None
+            unit.fetcher = None
             for sp in unit.params:
                 sp.on_access = None
 
@@ -135,24 +149,30 @@ class ParamCoordinator:
     def in_backward(self) -> bool:
         return self._in_backward
 
-    def _observe(self, unit: GatherUnit, gathered: bool) -> None:
-        assert unit.unsharded is not None
-        ptr = unit.unsharded.untyped_storage().data_ptr()
-        if gathered:
-            self._by_storage[ptr] = unit
-        else:
-            self._by_storage.pop(ptr, None)
+    def _observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
+        self.live.observe(unit, old, new)
+        if new is UnitState.UNSHARDED:
+            assert unit.unsharded is not None
+            self._by_storage[unit.unsharded.untyped_storage().data_ptr()] = unit
+        elif old is UnitState.UNSHARDED:
+            assert unit.unsharded is not None
+            self._by_storage.pop(unit.unsharded.untyped_storage().data_ptr(), None)
 
     def live_numel(self) -> int:
-        return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.persistent)
+        return self.live.numel
+
+    def _fetch(self, unit: GatherUnit) -> None:
+        """Start gathering a unit this rank needs now: through the pass's walk, or directly between passes."""
+        if self._walk is not None:
+            self._walk.fetch(unit)
+        elif unit.state is UnitState.SHARDED:
+            unit.start_unshard(async_op=True)
 
     def _acquire(self, unit: GatherUnit, frame: _Frame) -> None:
         unit.refcount += 1
         frame.held.append(unit)
-        self._prefetched.discard(unit)
-        if self._forward_depth > 0 and not self._in_backward:
-            self._record(unit)
-        unit.start_unshard(async_op=False)
+        self.used_since_backward.add(unit)
+        self._fetch(unit)
         unit.wait()
 
     def _release_frame(self, frame: _Frame) -> None:
@@ -169,31 +189,42 @@ class ParamCoordinator:
         if self.persistent_unit is not None:
             self.persistent_unit.unshard()  # no-op unless an offload of lp_params released it
         self._release_root_returned()
-        self._last_trace = self._trace or self._last_trace
-        self._trace = []
-        self._trace_matches = bool(self._last_trace)
+        # A forward inside backward (a checkpointed root) gathers along the backward walk.
+        self._owns_forward_pass = self._walk is None
+        if self._owns_forward_pass:
+            self._walk = self.forward_walk
+            self.forward_walk.begin()
         self._frames.append(_Frame(module, []))
         if torch.is_grad_enabled():
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Also runs when forward raises (always_call): the pass ends on every rank either way."""
+        if self._forward_depth == 0:
+            return
         self._forward_depth -= 1
         if self._forward_depth > 0:
             return
+        self._exit_saved_hooks()
+        while self._frames:
+            frame = self._frames.pop()
+            if frame.module is module:
+                for param in _params_in(output):
+                    unit = sharded(param).unit  # type: ignore[union-attr]
+                    assert unit is not None
+                    unit.refcount += 1
+                    self._root_returned.append(unit)
+            self._release_frame(frame)
+        if self._owns_forward_pass:
+            self._owns_forward_pass = False
+            self._walk = None
+            self.forward_walk.end()
+
+    def _exit_saved_hooks(self) -> None:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        frame = self._frames.pop()
-        for param in _params_in(output):
-            unit = sharded(param).unit  # type: ignore[union-attr]
-            assert unit is not None
-            unit.refcount += 1
-            self._root_returned.append(unit)
-        self._release_frame(frame)
-        self._drop_unclaimed_prefetches()
-        self._backward_order = list(dict.fromkeys(reversed(self._trace)))
-        self._backward_pos = 0
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         frame = _Frame(module, [])
@@ -202,8 +233,10 @@ class ParamCoordinator:
             self._acquire(unit, frame)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Also runs when forward raised (always_call); the frame is missing if our pre-hook raised.
+        if not self._frames or self._frames[-1].module is not module:
+            return
         frame = self._frames.pop()
-        assert frame.module is module, "forward hooks ran out of order"
         returned = _params_in(output)
         if returned:
             parent = self._frames[-1] if self._frames else None
@@ -223,36 +256,6 @@ class ParamCoordinator:
             return
         self._acquire(unit, frame)
 
-    def _record(self, unit: GatherUnit) -> None:
-        position = len(self._trace)
-        self._trace.append(unit)
-        if not self._trace_matches:
-            return
-        if position >= len(self._last_trace) or self._last_trace[position] is not unit:
-            self._trace_matches = False
-            return
-        self._prefetch(self._last_trace, position + 1)
-
-    def _prefetch(self, order: list[GatherUnit], start: int) -> None:
-        budget = self.prefetch_numel
-        live = self.live_numel()
-        for unit in order[start:]:
-            if budget <= 0:
-                break
-            budget -= unit.numel
-            if unit.state is not UnitState.SHARDED or unit.persistent:
-                continue
-            if live + unit.numel > self.max_live_numel:
-                break
-            unit.start_unshard(async_op=True)
-            live += unit.numel
-            self._prefetched.add(unit)
-
-    def _drop_unclaimed_prefetches(self) -> None:
-        for unit in list(self._prefetched):
-            unit.release_if_unneeded()
-        self._prefetched.clear()
-
     def _release_root_returned(self) -> None:
         returned, self._root_returned = self._root_returned, []
         for unit in returned:
@@ -261,12 +264,11 @@ class ParamCoordinator:
 
     # ---- backward --------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._by_storage or tensor.layout is not torch.strided:
-            return tensor
-        unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
-        if unit is None or unit.persistent:
-            return tensor
-        return _SavedUnitView(unit, tensor.size(), tensor.stride(), tensor.storage_offset())
+        if self._by_storage and tensor.layout is torch.strided:
+            unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
+            if unit is not None and not unit.persistent:
+                return _SavedUnitView(unit, tensor.size(), tensor.stride(), tensor.storage_offset())
+        return tensor.detach()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedUnitView):
@@ -277,26 +279,22 @@ class ParamCoordinator:
         return unit.unsharded.as_strided(saved.size, saved.stride, saved.offset)
 
     def hold_for_backward(self, unit: GatherUnit) -> None:
-        if unit.state is not UnitState.UNSHARDED:
-            unit.start_unshard(async_op=False)
-            unit.wait()
-        self._prefetched.discard(unit)
+        if not self._in_backward:
+            self.begin_backward()  # a plain loss.backward()
+        self._fetch(unit)
+        unit.wait()
         unit.backward_held = True
-        self._advance_backward(unit)
-
-    def _advance_backward(self, unit: GatherUnit) -> None:
-        order = self._backward_order
-        pos = self._backward_pos
-        if pos < len(order) and order[pos] is unit:
-            self._backward_pos = pos + 1
-            self._prefetch(order, pos + 1)
-        elif unit in order[pos:]:
-            # Skipped ahead (a unit with no saved tensors): resync to the new position.
-            self._backward_pos = order.index(unit, pos) + 1
-            self._prefetch(order, self._backward_pos)
 
     def begin_backward(self) -> None:
+        if self._in_backward:
+            return
         self._in_backward = True
+        if self.backward_walk.passes == 0:
+            # First backward: expect the reverse of the forward's gathers (the same on every rank).
+            self.backward_walk.set_order(list(dict.fromkeys(reversed(self.forward_walk.order))))
+        if self._walk is None:
+            self._walk = self.backward_walk
+            self.backward_walk.begin()
         for unit in self.units:
             unit.pending_grads = sum(1 for sp in unit.params if sp.param.requires_grad and sp.grad_slot is not None)
 
@@ -305,20 +303,47 @@ class ParamCoordinator:
             unit.backward_held = False
             unit.release_if_unneeded()
 
-    def end_backward(self) -> None:
+    def end_backward(self, extra: list[int] | None = None) -> list[list[int]]:
+        """Leave the backward pass on every rank together; returns every rank's `extra` ints."""
+        extras = [list(extra or [])]
+        if not self._in_backward:
+            return extras
         self._in_backward = False
         for unit in self.units:
             unit.backward_held = False
             unit.release_if_unneeded()
-        self._prefetched.clear()
         self._release_root_returned()
+        if self._walk is self.backward_walk:
+            self._walk = None
+            extras = self.backward_walk.end(extra or [])
+        self.used_since_backward.clear()
+        return extras
 
+    # ---- between steps -----------------------------------------------------------
     def release_all(self) -> None:
         """Release everything not pinned: before a step, an offload, or destroy."""
         self._release_root_returned()
-        for unit in list(self._prefetched):
-            unit.wait()
-        self._prefetched.clear()
+        for walk in (self.forward_walk, self.backward_walk):
+            walk.release_unclaimed()
         for unit in self.units:
             unit.backward_held = False
             unit.release_if_unneeded()
+
+    def reset(self) -> None:
+        """After an exception escaped forward or backward: drop every hold, end any open pass.
+
+        Ending a pass is collective, so this is called on every rank (by `engine.zero_grad()`).
+        """
+        self._exit_saved_hooks()
+        for frame in self._frames:
+            for unit in frame.held:
+                unit.refcount -= 1
+        self._frames.clear()
+        self._forward_depth = 0
+        self._owns_forward_pass = False
+        if self._in_backward:
+            self.end_backward()
+        if self._walk is not None:
+            walk, self._walk = self._walk, None
+            walk.end()
+        self.release_all()

@@ -27,6 +27,7 @@ from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.loss_scaler import build_loss_scaler
 from zero3.runtime.lr_schedules import build_lr_scheduler
 from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.runtime.timers import StepTimers
 
 log = logging.getLogger("zero3")
 
@@ -66,7 +67,18 @@ class ZeroEngine:
                     "(ZeRO-Offload / ZeRO-Infinity) is not implemented yet; use 'none', and park states "
                     "between steps with engine.offload_states()"
                 )
+        if lr_scheduler is not None and (
+            not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+        ):
+            raise TypeError(
+                "lr_scheduler must be a factory called with the engine's torch optimizer "
+                f"(the optimizer does not exist before initialize), got {type(lr_scheduler).__name__}"
+            )
+        if comm.rank == 0:
+            for message in config.ignored_settings():
+                log.warning("%s", message)
 
+        comm.open_side_groups()
         self._partition(model)
         self.units, module_units, self.persistent_unit = self._build_units(model, zc.stage3_param_persistence_threshold)
         self.lp_params = self._consolidate_lp()
@@ -77,20 +89,18 @@ class ZeroEngine:
         if config.optimizer is not None:
             groups = self._optimizer_groups(model, model_parameters)
             self.optimizer = ZeroOptimizer(
-                groups, config.optimizer, comm, device, self.compute_dtype, zc.sub_group_size,
+                groups, config.optimizer, comm, device, config.grad_accum_dtype, zc.sub_group_size,
                 config.gradient_clipping, self.loss_scaler,
             )
         for sp in self.sharded_params:
             sp.hp_seed = None  # frozen parameters keep no master
 
-        trainable = [sp for sp in self.sharded_params if sp.grad_slot is not None]
         self.reducer = GradientReducer(
-            comm, self.compute_dtype, device, zc.reduce_bucket_size,
-            max((sp.padded_numel for sp in trainable), default=0),
-            sum(sp.padded_numel for sp in trainable), zc.overlap_comm,
+            comm, self.optimizer.params if self.optimizer is not None else [], config.communication_dtype, device,
+            zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
         )
         self.coordinator = ParamCoordinator(
-            model, self.units, module_units, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+            model, self.units, module_units, comm, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             self.persistent_unit,
         )
         self.offloader = StateOffloader(
@@ -104,11 +114,6 @@ class ZeroEngine:
         self.lr_scheduler = None
         if self.optimizer is not None:
             if lr_scheduler is not None:
-                if not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-                    raise TypeError(
-                        "lr_scheduler must be a factory called with the engine's torch optimizer "
-                        f"(the optimizer does not exist before initialize), got {type(lr_scheduler).__name__}"
-                    )
                 self.lr_scheduler = lr_scheduler(self.optimizer.optimizer)
             elif config.scheduler is not None:
                 self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer.optimizer)
@@ -116,6 +121,7 @@ class ZeroEngine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self._destroyed = False
 
     # ---- construction ------------------------------------------------------------
@@ -245,6 +251,7 @@ class ZeroEngine:
             if sp.grad_slot is None:
                 log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
             else:
+                self._begin_backward()  # no-op unless a plain loss.backward() runs outside engine.backward
                 sp.has_grad = True
                 self.reducer.add(sp, grad)
             unit.pending_grads -= 1
@@ -268,10 +275,16 @@ class ZeroEngine:
                 return value
 
             args, kwargs = tree_map(cast, (args, kwargs))
-        return self.module(*args, **kwargs)
+        with self.timers.phase("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of `loss` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale)."""
+        """Backward of `loss` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale).
+
+        If it raises, the pass still ends on every rank that raised (nothing is
+        left gathered or in flight); `engine.zero_grad()` then drops the partial
+        gradients, as `optimizer.zero_grad()` does in plain PyTorch.
+        """
         self._check_alive()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
@@ -281,13 +294,41 @@ class ZeroEngine:
         self._require_resident("backward", BACKWARD_NEEDS)
         factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
-        self.coordinator.begin_backward()
-        try:
-            scaled.backward(retain_graph=retain_graph)
-            self.reducer.finalize()
-        finally:
-            self.coordinator.end_backward()
+        with self.timers.phase("backward"):
+            self._begin_backward()
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            finally:
+                self._finish_backward()
         return loss
+
+    def _begin_backward(self) -> None:
+        if self.reducer.open:
+            return
+        self.coordinator.begin_backward()
+        # A parameter whose unit no forward used since the last backward cannot get a gradient.
+        used = self.coordinator.used_since_backward
+        self.reducer.begin(sp for unit in self.units if unit not in used for sp in unit.params)
+
+    def _finish_backward(self) -> None:
+        """End the backward pass on every rank together, then land every gradient reduction."""
+        if not (self.reducer.open or self.coordinator.in_backward):
+            return
+        extras = self.coordinator.end_backward([int(self.reducer.has_late)])
+        self.reducer.finish(any_rank_late=any(row[0] for row in extras if row))
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (DeepSpeed's name; `optimizer.zero_grad()` in plain PyTorch).
+
+        After an exception escaped forward or backward, this also ends any pass
+        left open and releases what it held, so the next step starts clean.
+        Call it on every rank.
+        """
+        self._check_alive()
+        self._finish_backward()
+        self.coordinator.reset()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
@@ -300,22 +341,34 @@ class ZeroEngine:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)
+        self._finish_backward()  # a plain loss.backward() left its pass open
         self.micro_steps += 1
         if not boundary:
             return
-        # Land any gradient queued by a backward that bypassed engine.backward.
-        self.reducer.finalize()
-        self.coordinator.release_all()
-        stepped, norm = self.optimizer.step()
-        self.last_grad_norm = norm
-        if stepped:
-            self._refresh_gathered()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
-            self.skipped_steps += 1
-            log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
+        with self.timers.phase("step"):
+            self.coordinator.release_all()
+            stepped, norm = self.optimizer.step()
+            self.last_grad_norm = norm
+            if stepped:
+                self._refresh_gathered()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
         self.global_steps += 1
+        if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
+            self._print_progress()
+
+    def _print_progress(self) -> None:
+        """steps_per_print: DeepSpeed's progress line (and wall_clock_breakdown's times)."""
+        lr = ", ".join(f"{value:.4g}" for value in self.get_lr())
+        log.info(
+            "step %d: lr [%s], grad norm %.4g, loss scale %g, skipped %d",
+            self.global_steps, lr, self.last_grad_norm or 0.0, self.loss_scale, self.skipped_steps,
+        )
+        if self.timers.enabled:
+            log.info("step %d time: %s", self.global_steps, self.timers.report())
 
     def _refresh_gathered(self) -> None:
         """Units still gathered (persistent, pinned) get the new values."""
@@ -413,7 +466,7 @@ class ZeroEngine:
 
     def _prepare_offload(self, states: set[OffloadStateType]) -> None:
         """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
-        self.reducer.finalize()
+        self._finish_backward()
         self.coordinator.release_all()
         if OffloadStateType.lp_params in states and self.persistent_unit is not None:
             self.persistent_unit.reshard()  # re-gathered by the next forward
@@ -482,3 +535,4 @@ class ZeroEngine:
         self.sharded_params = []
         self._destroyed = True
         accelerator.synchronize(self.device)
+        self.comm.close()

@@ -1,18 +1,37 @@
-"""Bucketed, coalesced reduce-scatter of gradients into the flat gradient buffer.
+"""Reduce-scatter of gradients, bucket by bucket in one fixed order, into the flat gradient buffer.
 
 [Note: gradient path]
-A parameter's gradient is handed over as soon as autograd has accumulated it.
-Gradients are queued until a bucket's worth has arrived, then one fused
-`_chunk_cat` lays them out rank-major in the scratch bucket (the
-`contiguous_grad_buffer` state) and one `reduce_scatter_flat` reduces them.
-Each rank then adds the mean of its shard into its slot of the `lp_grads`
-flat buffer, so gradients accumulate across micro-steps there. With
-`overlap_comm` two bucket slots alternate and the reduction runs while
-backward goes on.
+The trainable parameters are cut once into buckets of at most
+`reduce_bucket_size` elements, in reverse registration order (about the order
+backward produces them). Every backward, every rank reduces every bucket, in
+that order, whatever its own backward touched: ranks that ran different
+parameters still issue matching collectives, and a parameter unused on this
+rank contributes zeros there, as in DDP and FSDP2. A bucket goes out once
+each of its parameters is accounted for (its gradient arrived, or its unit
+was not used by any forward since the last backward) and every earlier
+bucket has gone out; whatever is left goes out when the backward ends.
+
+One fused `_chunk_cat` lays a bucket out rank-major in a slot of the scratch
+buffer (the `contiguous_grad_buffer` state), in `communication_data_type`;
+one `reduce_scatter_flat` sums it across ranks. Each rank then adds its
+shard into its region of `lp_grads` (in `grad_accum_dtype`), so gradients
+accumulate across micro-steps there. Scaling follows DeepSpeed: gradients
+are multiplied by 1/gradient_predivide_factor before the sum and by
+factor/world after it (`prescale_gradients` divides by world before).
+
+A slot is reused once its reduction has landed. On CUDA that wait is a
+stream wait, which never blocks this thread. On the CPU it would block, and
+during a backward another rank may need this one to walk on first
+(zero3.runtime.gather_walk), so a busy slot is replaced by a fresh buffer
+instead; blocking waits happen only once every rank has left the backward.
+A gradient that arrives for a bucket already sent (a parameter accumulated
+twice in one backward, as reentrant checkpointing can do) is reduced in one
+more round at the end, which every rank joins if any rank needs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -24,38 +43,75 @@ from zero3.partition.sharded_param import ShardedParam
 
 
 @dataclass
+class _Bucket:
+    params: list[ShardedParam]
+    padded_numel: int
+    shard_numel: int
+
+
+@dataclass
 class _Reduction:
+    bucket: _Bucket
     work: dist.Work | None
-    destinations: list[torch.Tensor]
-    sources: list[torch.Tensor]
+    output: torch.Tensor
+    slot: int | None  # None: the reduction owns a fresh buffer
 
 
 class GradientReducer:
     def __init__(
         self,
         comm: Communicator,
-        dtype: torch.dtype,
+        params: list[ShardedParam],
+        comm_dtype: torch.dtype,
         device: torch.device,
         bucket_numel: int,
-        largest_padded_numel: int,
-        total_padded_numel: int,
         overlap: bool,
+        predivide_factor: float = 1.0,
+        prescale: bool = False,
     ) -> None:
         world = comm.world_size
-        capacity = max(min(bucket_numel, total_padded_numel), largest_padded_numel)
+        total = sum(sp.padded_numel for sp in params)
+        largest = max((sp.padded_numel for sp in params), default=0)
+        capacity = max(min(bucket_numel, total), largest)
         self.capacity = -(-capacity // world) * world
         self.comm = comm
-        self.dtype = dtype
+        self.dtype = comm_dtype
         self.device = device
+        self.buckets = self._cut(list(reversed(params)))
+        self._where = {sp: (j, k) for j, bucket in enumerate(self.buckets) for k, sp in enumerate(bucket.params)}
+        self._largest_numel = max((sp.numel for sp in params), default=0)
         # A second slot only helps when one backward fills more than one bucket.
-        self.slots = 2 if overlap and self.capacity < total_padded_numel else 1
+        self.slots = 2 if overlap and len(self.buckets) > 1 else 1
         self.overlap = overlap
+        self.pre_scale = 1.0 / world if prescale else 1.0 / predivide_factor
+        self.post_scale = 1.0 if prescale else predivide_factor / world
+        self._stream_waits = device.type == "cuda"  # waiting does not block the host there
         self.scratch: FlatBuffer | None = None
-        self._pending: list[tuple[ShardedParam, torch.Tensor]] = []
-        self._pending_numel = 0
-        self._next_slot = 0
-        self._inflight: list[_Reduction | None] = [None] * self.slots
+        self._busy: list[_Reduction | None] = [None] * self.slots
+        self._inflight: list[_Reduction] = []
+        self._open = False
+        self._grads: list[list[torch.Tensor | None]] = []
+        self._accounted: list[list[bool]] = []
+        self._remaining: list[int] = []
+        self._next = 0
+        self._late: list[tuple[ShardedParam, torch.Tensor]] = []
+        self._zeros: torch.Tensor | None = None
 
+    def _cut(self, params: list[ShardedParam]) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[ShardedParam] = []
+        size = 0
+        for sp in params:
+            if current and size + sp.padded_numel > self.capacity:
+                buckets.append(_Bucket(current, size, size // self.comm.world_size))
+                current, size = [], 0
+            current.append(sp)
+            size += sp.padded_numel
+        if current:
+            buckets.append(_Bucket(current, size, size // self.comm.world_size))
+        return buckets
+
+    # ---- scratch --------------------------------------------------------------
     @property
     def slot_numel(self) -> int:
         return self.capacity + self.capacity // self.comm.world_size
@@ -71,53 +127,132 @@ class GradientReducer:
 
     def free_scratch(self) -> None:
         """Drop the scratch bucket (it holds nothing between backward passes)."""
-        if self._pending or any(self._inflight):
+        if self._open or self._inflight:
             raise RuntimeError("cannot free the gradient bucket while a reduction is pending")
         self.scratch = None
 
+    # ---- a backward pass ------------------------------------------------------------
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def begin(self, absent: Iterable[ShardedParam] = ()) -> None:
+        """Start a pass; `absent` parameters cannot get a gradient in it (they count as zero)."""
+        if self._open:
+            return
+        self._open = True
+        self._grads = [[None] * len(b.params) for b in self.buckets]
+        self._accounted = [[False] * len(b.params) for b in self.buckets]
+        self._remaining = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self._late = []
+        for sp in absent:
+            if sp in self._where:
+                self._account(*self._where[sp])
+        self._send_ready()
+
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
-        if sp.grad_slot is None:
+        if sp not in self._where:
             raise RuntimeError(f"parameter {sp.name} has a gradient but no gradient slot (frozen?)")
-        if self._pending_numel + sp.padded_numel > self.capacity:
-            self.flush()
-        self._pending.append((sp, grad))
-        self._pending_numel += sp.padded_numel
-
-    def flush(self) -> None:
-        if not self._pending:
+        self.begin()
+        j, k = self._where[sp]
+        if j < self._next:
+            self._late.append((sp, grad))
             return
-        self.allocate_scratch()
-        assert self.scratch is not None
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self.slots
-        self._finish(slot)
+        held = self._grads[j][k]
+        self._grads[j][k] = grad if held is None else held + grad
+        self._account(j, k)
+        self._send_ready()
+
+    @property
+    def has_late(self) -> bool:
+        return bool(self._late)
+
+    def finish(self, any_rank_late: bool = False) -> None:
+        """Send every remaining bucket and land every reduction (every rank, after the backward ended everywhere)."""
+        self.begin()  # a rank whose backward produced no gradient still joins every reduction
+        while self._next < len(self.buckets):
+            self._send(self._next, may_block=True)
+            self._next += 1
+        self._land_all()
+        if any_rank_late:
+            late, self._late = self._late, []
+            self._grads = [[None] * len(b.params) for b in self.buckets]
+            for sp, grad in late:
+                j, k = self._where[sp]
+                held = self._grads[j][k]
+                self._grads[j][k] = grad if held is None else held + grad
+            for j in range(len(self.buckets)):
+                self._send(j, may_block=True)
+            self._land_all()
+        self._open = False
+        self._grads, self._accounted, self._late = [], [], []
+        self._zeros = None
+
+    def _account(self, j: int, k: int) -> None:
+        if not self._accounted[j][k]:
+            self._accounted[j][k] = True
+            self._remaining[j] -= 1
+
+    def _send_ready(self) -> None:
+        while self._next < len(self.buckets) and self._remaining[self._next] == 0:
+            self._send(self._next, may_block=False)
+            self._next += 1
+
+    # ---- one bucket ---------------------------------------------------------------------
+    def _send(self, j: int, may_block: bool) -> None:
+        bucket = self.buckets[j]
         world = self.comm.world_size
-        shard_total = self._pending_numel // world
-        base = slot * self.slot_numel
-        bucket = self.scratch.view(base, self._pending_numel)
-        output = self.scratch.view(base + self.capacity, shard_total)
-        grads = [grad.reshape(-1) for _, grad in self._pending]
-        torch._chunk_cat(grads, dim=0, num_chunks=world, out=bucket.view(world, shard_total))
-        work = self.comm.reduce_scatter_flat(output, bucket, async_op=self.overlap)
-        sources = list(output.split([sp.shard_numel for sp, _ in self._pending]))
-        destinations = [sp.grad_slot.view() for sp, _ in self._pending]  # type: ignore[union-attr]
-        self._inflight[slot] = _Reduction(work, destinations, sources)
-        self._pending = []
-        self._pending_numel = 0
-        if not self.overlap:
-            self._finish(slot)
+        slot = self._take_slot(may_block)
+        if slot is None:
+            storage = torch.empty(self.slot_numel, dtype=self.dtype, device=self.device)
+        else:
+            assert self.scratch is not None
+            storage = self.scratch.view(slot * self.slot_numel, self.slot_numel)
+        full = storage.narrow(0, 0, bucket.padded_numel)
+        output = storage.narrow(0, self.capacity, bucket.shard_numel)
+        grads = [self._grad_or_zeros(sp, grad) for sp, grad in zip(bucket.params, self._grads[j])]
+        self._grads[j] = [None] * len(bucket.params)
+        torch._chunk_cat(grads, dim=0, num_chunks=world, out=full.view(world, bucket.shard_numel))
+        if self.pre_scale != 1.0:
+            full.mul_(self.pre_scale)
+        work = self.comm.reduce_scatter_flat(output, full, async_op=True)
+        reduction = _Reduction(bucket, work, output, slot)
+        self._inflight.append(reduction)
+        if slot is not None:
+            self._busy[slot] = reduction
 
-    def _finish(self, slot: int) -> None:
-        reduction = self._inflight[slot]
-        if reduction is None:
-            return
+    def _grad_or_zeros(self, sp: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor:
+        if grad is not None:
+            return grad.reshape(-1)
+        if self._zeros is None:
+            self._zeros = torch.zeros(self._largest_numel, dtype=self.dtype, device=self.device)
+        return self._zeros.narrow(0, 0, sp.numel)
+
+    def _take_slot(self, may_block: bool) -> int | None:
+        self.allocate_scratch()
+        for reduction in list(self._inflight):  # land what has landed already, freeing its memory
+            if reduction.work is None or reduction.work.is_completed():
+                self._land(reduction)
+        for slot, busy in enumerate(self._busy):
+            if busy is None:
+                return slot
+        if may_block or self._stream_waits:
+            oldest = min((r for r in self._busy if r is not None), key=self._inflight.index)
+            self._land(oldest)
+            return oldest.slot
+        return None  # see the Note: a fresh buffer rather than a wait that could hang
+
+    def _land(self, reduction: _Reduction) -> None:
         if reduction.work is not None:
             reduction.work.wait()
-        torch._foreach_add_(reduction.destinations, reduction.sources, alpha=1.0 / self.comm.world_size)
-        self._inflight[slot] = None
+        sources = reduction.output.split([sp.shard_numel for sp in reduction.bucket.params])
+        destinations = [sp.grad_slot.view() for sp in reduction.bucket.params]  # type: ignore[union-attr]
+        torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
+        self._inflight.remove(reduction)
+        if reduction.slot is not None:
+            self._busy[reduction.slot] = None
 
-    def finalize(self) -> None:
-        """Reduce everything queued and wait for every reduction to land."""
-        self.flush()
-        for slot in range(self.slots):
-            self._finish(slot)
+    def _land_all(self) -> None:
+        for reduction in list(self._inflight):
+            self._land(reduction)

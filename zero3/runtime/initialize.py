@@ -22,13 +22,15 @@ def initialize(
     lr_scheduler: Any = None,
     training_data: Any = None,
     config_params: dict | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[ZeroEngine, ZeroOptimizer | None, None, Any]:
     """Returns (engine, optimizer, dataloader, lr_scheduler), as DeepSpeed does.
 
     The optimizer comes from the config's `optimizer` section; a client
     optimizer instance cannot be sharded and is refused. `lr_scheduler` may be
     a scheduler factory taking the torch optimizer. `training_data` is not
-    supported (the dataloader slot is always None).
+    supported (the dataloader slot is always None). `device` picks the device
+    as `zero3.Init` does (see `zero3.accelerator.resolve_device`).
     """
     if config is not None and config_params is not None:
         raise ValueError("pass the config as `config` or `config_params`, not both")
@@ -42,7 +44,7 @@ def initialize(
         )
     if training_data is not None:
         raise ValueError("training_data is not supported: build your DataLoader yourself")
-    device = accelerator.default_device()
+    device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.init_distributed(device)
     engine = ZeroEngine(model, cfg, comm.Communicator(), device, model_parameters, lr_scheduler)

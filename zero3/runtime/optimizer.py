@@ -49,7 +49,7 @@ class ZeroOptimizer:
         config: OptimizerConfig,
         comm: Communicator,
         device: torch.device,
-        lp_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
         sub_group_size: int,
         gradient_clipping: float,
         loss_scaler: LossScaler | DynamicLossScaler,
@@ -61,7 +61,9 @@ class ZeroOptimizer:
         self.params = [sp for sps, _ in groups for sp in sps]
         total = sum(sp.shard_numel for sp in self.params)
         self.hp_params = FlatBuffer.zeros("hp_params", total, torch.float32, device)
-        self.lp_grads = FlatBuffer.zeros("lp_grads", total, lp_dtype, device)
+        # The reduced gradients, accumulated across micro-steps in grad_accum_dtype (the
+        # state keeps DeepSpeed's name `lp_grads` whatever that dtype is).
+        self.lp_grads = FlatBuffer.zeros("lp_grads", total, grad_dtype, device)
         self.moments = {
             name: FlatBuffer.zeros(name, total, torch.float32, device, state="optim_states") for name in MOMENTS
         }
@@ -131,16 +133,28 @@ class ZeroOptimizer:
         for sp in self.params:
             sp.has_grad = False
 
-    def global_grad_norm(self) -> float:
-        """The L2 norm of the (still loss-scaled) reduced gradients over all ranks; inf/nan on overflow."""
-        local = torch.linalg.vector_norm(self.lp_grads.tensor, 2, dtype=torch.float32).pow(2).reshape(1)
-        return math.sqrt(self.comm.all_reduce_sum(local).item()) if local.numel() else 0.0
+    def agree_on_gradients(self) -> float:
+        """One all-reduce: the global grad norm (still loss-scaled; inf/nan on overflow) and which
+        parameters got a gradient on ANY rank.
+
+        A parameter some rank did not use still has a gradient (zero there, the
+        others' elsewhere), and each rank steps only its own shard of it: all
+        ranks must step it, or none, or one parameter's shards drift apart.
+        """
+        values = torch.zeros(1 + len(self.params), dtype=torch.float32, device=self.device)
+        values[0] = torch.linalg.vector_norm(self.lp_grads.tensor, 2, dtype=torch.float32).pow(2)
+        if self.params:
+            values[1:] = torch.tensor([sp.has_grad for sp in self.params], dtype=torch.float32)
+        summed = self.comm.all_reduce_sum(values).cpu()
+        for sp, flag in zip(self.params, summed[1:].tolist()):
+            sp.has_grad = flag > 0
+        return math.sqrt(summed[0].item())
 
     # ---- step ------------------------------------------------------------------
     def step(self) -> tuple[bool, float]:
         """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow."""
         scale = self.loss_scaler.loss_scale
-        norm = self.global_grad_norm()
+        norm = self.agree_on_gradients()
         overflow = not math.isfinite(norm)
         self.loss_scaler.update(overflow)
         if overflow:
