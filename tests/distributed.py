@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -44,7 +44,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+            _worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
             join=True, start_method="spawn",
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

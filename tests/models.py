@@ -112,6 +112,35 @@ class Branchy(nn.Module):
         return F.mse_loss(self.head(h).float(), y.float())
 
 
+# Per-rank routes of `Routed`: which experts run, in which order (some twice, one never).
+ROUTES = ((0,), (1, 2), (2, 0, 2), (), (1,), (2, 1), (0, 1, 2))
+
+
+class Routed(nn.Module):
+    """Each rank routes its own batch: experts chosen (and ordered, and repeated) by its data,
+    and `extra` skipped on some ranks. `experts[3]` is never used by anyone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.extra = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    @staticmethod
+    def code(x: torch.Tensor) -> int:
+        return int(abs(x[0, 1].item()) * 1000) % len(ROUTES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        code = self.code(x)
+        h = torch.relu(self.stem(x))
+        for index in ROUTES[code]:
+            h = h + torch.tanh(self.experts[index](h))
+        if code % 2:
+            h = self.extra(h)
+        return F.mse_loss(self.head(h).float(), y.float())
+
+
 class AttributeTiedLM(nn.Module):
     """The head reads the embedding's weight by attribute (not registered in the head)."""
 

@@ -129,3 +129,25 @@ def test_cli_train_two_ranks() -> None:
     for rank_row in ("│    0 │", "│    1 │"):
         assert rank_row in proc.stdout, output
     assert "final loss" in proc.stdout and "tokens/s" in proc.stdout, output
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
+    # Valid config, refused by the engine in every worker (the offload tiers are not built yet).
+    config = tmp_path / "offload.json"
+    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    argv = ["train", "--nproc", "2", "--steps", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+            "--block-size", "16", "--config", str(config)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last_lines = proc.stderr.strip().splitlines()[-3:]
+    # The summary itself names the error, not only where the logs are.
+    failed = [line for line in last_lines if line.startswith("zero3 train: rank ") and " failed: " in line]
+    assert failed, proc.stderr
+    assert "NotImplementedError: zero_optimization.offload_optimizer.device='cpu'" in failed[0]
+    assert last_lines[-1].startswith("zero3 train: the workers' logs are in ")

@@ -211,6 +211,75 @@ def test_gathered_parameters_modifier_updates_shards_and_master() -> None:
         assert result["released"]
 
 
+def edit_one_of_a_unit(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, config=cfg(bf16={"enabled": True}))
+    x, y = models.batches("x8", 1, 4 * world)[0]
+    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    engine.step()  # masters now hold values a bf16 round trip would change
+    before = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
+    with zero3.GatheredParameters([model.fc1.weight], modifier_rank=0):  # fc1.bias is gathered with it
+        with torch.no_grad():
+            model.fc1.weight.mul_(2.0)
+    after = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
+    engine.destroy()
+    return {"before": before, "after": after}
+
+
+def test_modifier_edits_change_only_the_listed_masters() -> None:
+    for result in run_ranks(2, edit_one_of_a_unit):
+        before, after = result["before"], result["after"]
+        for name in before:
+            if name != "fc1.weight":
+                assert torch.equal(before[name], after[name]), name  # fc1.bias above all: same unit
+        # The edited master is the edited 16-bit value (2 x the bf16 copy), not 2 x the old master.
+        assert torch.equal(after["fc1.weight"], (before["fc1.weight"].bfloat16() * 2).float())
+        assert not torch.equal(after["fc1.weight"], before["fc1.weight"] * 2)
+
+
+# ---- config keys zero3 accepts but does not act on, and the progress log ---------------------------
+def logged(rank: int, world: int) -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.getMessage()}")
+
+    logger = logging.getLogger("zero3")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    config = cfg(
+        steps_per_print=2, wall_clock_breakdown=True,
+        zero={"stage3_max_reuse_distance": 1000, "contiguous_gradients": False,
+              "stage3_gather_16bit_weights_on_model_save": True, "offload_optimizer": {"pin_memory": True}},
+        optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    )
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, config=config)
+    for x, y in models.batches("x8", 4, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.destroy()
+    return records
+
+
+def test_ignored_keys_warn_once_and_progress_is_logged() -> None:
+    records = run_ranks(1, logged)[0]
+    warnings = [r for r in records if r.startswith("WARNING")]
+    for key in ("zero_optimization.stage3_max_reuse_distance=1000", "zero_optimization.contiguous_gradients=false",
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save=true",
+                "zero_optimization.offload_optimizer.pin_memory=true", "optimizer.params.torch_adam=true"):
+        assert sum(key in w and "has no effect" in w for w in warnings) == 1, (key, warnings)
+    assert len(warnings) == 5
+    progress = [r for r in records if r.startswith("INFO step ")]
+    assert [r.split(":")[0] for r in progress] == ["INFO step 2", "INFO step 2 time", "INFO step 4", "INFO step 4 time"]
+    assert "grad norm" in progress[0] and "forward" in progress[1] and "backward" in progress[1] and " ms" in progress[1]
+
+
 # ---- teardown ---------------------------------------------------------------------
 def test_destroy_removes_hooks_and_frees_everything() -> None:
     torch.manual_seed(0)

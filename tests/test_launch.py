@@ -13,13 +13,14 @@ import torch
 
 from tests.distributed import run_ranks
 
-SCRIPT = textwrap.dedent(
+# A user's training script: build under Init, train 4 steps on this rank's share of each batch.
+TRAIN = textwrap.dedent(
     """
     import sys
     import torch, torch.distributed as dist, zero3
     from tests.models import TiedTransformer, batches
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     torch.manual_seed(0)
@@ -31,6 +32,11 @@ SCRIPT = textwrap.dedent(
         loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
         engine.backward(loss)
         engine.step()
+    """
+)
+
+SCRIPT = TRAIN + textwrap.dedent(
+    """
     mean = loss.detach().float().reshape(1)
     dist.all_reduce(mean)
     # one write per line, so the two ranks' lines cannot interleave on the shared pipe

@@ -309,8 +309,7 @@ def _launch(job: TrainJob, nproc: int) -> int:
     try:
         elastic_launch(config, _train_worker)(job)
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
-        print(f"zero3 train: workers failed; their logs are in {log_dir}", file=sys.stderr)
+        _report_failure(exc, log_dir)
         return 1
     finally:
         agent_log.setLevel(saved_level)
@@ -318,6 +317,46 @@ def _launch(job: TrainJob, nproc: int) -> int:
             os.environ.pop("OMP_NUM_THREADS", None)
     shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _report_failure(exc: Any, log_dir: str) -> None:
+    """Say what went wrong on the workers: the first failure's traceback, then one line per rank."""
+    _, first = exc.get_first_failure()
+    traceback_text = _failure_text(first).strip()
+    if "\n" in traceback_text:  # a whole traceback, not just the exception's line
+        print(traceback_text, file=sys.stderr)
+    for rank, failure in sorted(exc.failures.items()):
+        print(f"zero3 train: rank {rank} failed: {_failure_line(failure, log_dir)}", file=sys.stderr)
+    print(f"zero3 train: the workers' logs are in {log_dir}", file=sys.stderr)
+
+
+def _failure_text(failure: Any) -> str:
+    """The traceback a worker recorded in its error file ('' if it left none: killed, or died in C++)."""
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) else ""
+
+
+def _failure_line(failure: Any, log_dir: str) -> str:
+    text = _failure_text(failure)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines:
+        return lines[-1]  # "ExceptionType: message"
+    cause = (
+        f"killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    )
+    tail = _log_tail(log_dir, failure.local_rank)
+    return f"{cause}; {tail}" if tail else f"{cause} (its output is above)"
+
+
+def _log_tail(log_dir: str, local_rank: int, lines: int = 5) -> str:
+    """The last lines of a redirected worker's stderr log (rank 0 writes to the terminal instead)."""
+    for path in sorted(Path(log_dir).glob(f"**/attempt_*/{local_rank}/stderr.log")):
+        tail = [line for line in path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+        if tail:
+            return "last lines of its stderr: " + " | ".join(tail)
+    return ""
 
 
 # ------------------------------------------------------------------- the worker

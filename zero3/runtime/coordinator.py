@@ -98,7 +98,8 @@ class ParamCoordinator:
         self._module_units = module_units
         self.live = LiveCount()
         self.forward_walk = GatherWalk("forward", units, comm, self.live, prefetch_numel, max_live_numel)
-        self.backward_walk = GatherWalk("backward", units, comm, self.live, prefetch_numel, max_live_numel)
+        # The backward's last marker also says whether a rank has gradients to reduce late.
+        self.backward_walk = GatherWalk("backward", units, comm, self.live, prefetch_numel, max_live_numel, 1)
         self.backward_walk.set_order(list(reversed(range(len(units)))))
         self.forward_walk.set_order(list(range(len(units))))
         self._walk: GatherWalk | None = None  # the pass under way
@@ -151,6 +152,8 @@ class ParamCoordinator:
 
     def _observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         self.live.observe(unit, old, new)
+        if unit.persistent:
+            return  # never saved by reference (see _pack), so never looked up
         if new is UnitState.UNSHARDED:
             assert unit.unsharded is not None
             self._by_storage[unit.unsharded.untyped_storage().data_ptr()] = unit

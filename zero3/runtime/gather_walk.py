@@ -131,8 +131,11 @@ class GatherWalk:
         live: LiveCount,
         prefetch_numel: int,
         max_live_numel: int,
+        extra_len: int = 0,
     ) -> None:
         self.name = name
+        # Ints each rank adds to the pass's last marker (`end(extra)`): every marker has one size.
+        self.extra_len = extra_len
         self.units = units
         self.comm = comm
         self.live = live
@@ -145,7 +148,6 @@ class GatherWalk:
         self.order: list[int] = []
         self.sequence: list[int] = []
         self.set_order([])
-        self.active = False
         self.passes = 0
         self._pos = 0
         self.trace: list[int] = []
@@ -173,14 +175,9 @@ class GatherWalk:
 
     # ---- a pass ---------------------------------------------------------------------
     def begin(self) -> None:
-        self.active = True
         self._pos = 0
         self.trace = []
         self._markers = []
-
-    def claimable(self, unit: GatherUnit) -> bool:
-        """Whether the unit was gathered by the walk and nobody has used it yet."""
-        return unit in self._unclaimed
 
     def fetch(self, unit: GatherUnit) -> None:
         """Make sure `unit` is gathered or in flight for this rank's use (the caller waits on it)."""
@@ -199,18 +196,18 @@ class GatherWalk:
         self._prefetch()
 
     def end(self, extra: Sequence[int] = ()) -> list[list[int]]:
-        """Leave the pass on every rank at the same point; returns every rank's `extra` ints.
-
-        `extra` must have the same length on every rank.
-        """
-        extras: list[list[int]] = [list(extra)]
+        """Leave the pass on every rank at the same point; returns every rank's `extra` ints
+        (`extra_len` of them, zero-filled)."""
+        if len(extra) > self.extra_len:
+            raise ValueError(f"the {self.name} walk carries {self.extra_len} extra ints, got {len(extra)}")
+        extra = list(extra) + [0] * (self.extra_len - len(extra))
+        extras: list[list[int]] = [extra]
         if self.lockstep:
-            extras = self._drain(list(extra))
+            extras = self._drain(extra)
         else:
             self.set_order(self.trace[: self._trace_cap])
         self.release_unclaimed()
         self._finish_side_work()
-        self.active = False
         self.passes += 1
         return extras
 
@@ -225,7 +222,7 @@ class GatherWalk:
             entry = self._entry()
             self._pos += 1
             if entry == MARK:
-                self._issue_marker(done=False, payload=())
+                self._issue_marker(done=False, payload=[0] * self.extra_len)
             elif entry == target:
                 self._make_room(unit.numel)
                 unit.start_unshard(async_op=True)
@@ -319,7 +316,7 @@ class GatherWalk:
 
     # ---- markers --------------------------------------------------------------------
     def _issue_marker(self, done: bool, payload: Sequence[int]) -> tuple[torch.Tensor, dist.Work | None]:
-        values = torch.zeros(2 + self._trace_cap + len(payload), dtype=torch.int64)
+        values = torch.zeros(2 + self._trace_cap + self.extra_len, dtype=torch.int64)
         if done:
             trace = self.trace[: self._trace_cap]
             values[0] = 1
