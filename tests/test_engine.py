@@ -10,7 +10,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero3

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,7 @@ class Communicator:
     # of its tensors, kept here until the worker has let go of them (an alias's
     # use count falls to 1, ours); the worker's release is then never the last.
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self._handed_over: list[_HandedOver] = []
+        self._handed_over: list[tuple[torch.Tensor, ...]] = []
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -90,9 +89,6 @@ class Communicator:
     def close(self) -> None:
         """Destroy the side groups (every rank calls this, as it called `open_side_groups`)."""
         groups, self._side_groups = self._side_groups, []
-        for entry in self._handed_over:
-            if entry.work is not None:
-                entry.work.wait()
         self._forget_released()
         self.reduce_group = self.control_group = self.group
         if dist.is_initialized():
@@ -142,27 +138,19 @@ class Communicator:
         """Private aliases (same storage) of a collective's tensors; see the Note."""
         self._forget_released()
         aliases = tuple(t.detach() for t in tensors)
-        self._handed_over.append(_HandedOver(None, aliases))
+        self._handed_over.append(aliases)
         return aliases
 
-    def _started(self, work: dist.Work, async_op: bool) -> dist.Work | None:
-        self._handed_over[-1].work = work
+    @staticmethod
+    def _started(work: dist.Work, async_op: bool) -> dist.Work | None:
+        """An async op's work goes to the caller, who waits on it; a blocking one is waited here."""
         if async_op:
             return work
         work.wait()
         return None
 
     def _forget_released(self) -> None:
-        kept = []
-        for entry in self._handed_over:
-            if entry.work is not None and entry.work.is_completed():
-                entry.work = None  # the worker may still hold it; our aliases keep its tensors' last reference
-            if entry.work is not None or any(alias._use_count() > 1 for alias in entry.aliases):
-                kept.append(entry)
-        self._handed_over = kept
-
-
-@dataclass
-class _HandedOver:
-    work: dist.Work | None
-    aliases: tuple[torch.Tensor, ...]
+        """Drop the aliases no work holds any more (ours is then the last reference)."""
+        self._handed_over = [
+            aliases for aliases in self._handed_over if any(alias._use_count() > 1 for alias in aliases)
+        ]

@@ -16,7 +16,6 @@ is reported at the next call (`settle`) with the states left in memory.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field

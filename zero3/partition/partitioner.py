@@ -1,4 +1,4 @@
-"""Turning a module's whole parameters into shards, one module at a time."""
+"""Turning a module's whole parameters into shards, and shards into gather units."""
 
 from __future__ import annotations
 
@@ -54,3 +54,49 @@ class Partitioner:
             out.append(flat[cursor : cursor + p.numel()].view(p.shape))
             cursor += p.numel()
         return out
+
+
+def build_units(
+    model: nn.Module, comm: Communicator, threshold: int
+) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
+    """One unit per module (the parameters it owns first), one for every parameter of at most
+    `threshold` elements (kept whole: the persistent unit), and each module's units to gather."""
+    seen: set[int] = set()
+    units: list[GatherUnit] = []
+    persistent: list[ShardedParam] = []
+    for name, module in model.named_modules():
+        own: list[ShardedParam] = []
+        for param in module._parameters.values():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            sp = sharded(param)
+            assert sp is not None
+            (persistent if sp.numel <= threshold else own).append(sp)
+        if own:
+            units.append(GatherUnit(own, comm, name or type(module).__name__))
+    persistent_unit = None
+    if persistent:
+        persistent_unit = GatherUnit(persistent, comm, "<persistent>")
+        persistent_unit.persistent = True
+    module_units: dict[nn.Module, list[GatherUnit]] = {}
+    for module in model.modules():
+        needed: list[GatherUnit] = []
+        for param in module._parameters.values():
+            sp = sharded(param) if param is not None else None
+            if sp is not None and sp.unit is not None and not sp.unit.persistent and sp.unit not in needed:
+                needed.append(sp.unit)
+        module_units[module] = needed
+    return units, module_units, persistent_unit
+
+
+def consolidate_lp(units: list[GatherUnit], dtype: torch.dtype, device: torch.device) -> FlatBuffer:
+    """Move every unit's shards into ONE flat 16-bit buffer (the `lp_params` state)."""
+    flat = FlatBuffer.zeros("lp_params", sum(unit.shard_numel for unit in units), dtype, device)
+    cursor = 0
+    for unit in units:
+        shards = [sp.lp_shard() for sp in unit.params]
+        unit.assign_lp(flat, cursor)
+        torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
+        cursor += unit.shard_numel
+    return flat

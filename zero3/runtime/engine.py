@@ -19,7 +19,7 @@ from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
 from zero3.partition import param_dict
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
-from zero3.partition.partitioner import Partitioner
+from zero3.partition.partitioner import Partitioner, build_units, consolidate_lp
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
@@ -80,8 +80,10 @@ class ZeroEngine:
 
         comm.open_side_groups()
         self._partition(model)
-        self.units, module_units, self.persistent_unit = self._build_units(model, zc.stage3_param_persistence_threshold)
-        self.lp_params = self._consolidate_lp()
+        self.units, module_units, self.persistent_unit = build_units(
+            model, comm, zc.stage3_param_persistence_threshold
+        )
+        self.lp_params = consolidate_lp(self.all_units, self.compute_dtype, device)
         self.sharded_params = [sp for unit in self.all_units for sp in unit.params]
 
         self.loss_scaler = build_loss_scaler(config.fp16)
@@ -143,53 +145,9 @@ class ZeroEngine:
                     f"computes in {self.compute_dtype} on {self.device}: pass the same config to zero3.Init"
                 )
 
-    def _build_units(
-        self, model: nn.Module, threshold: int
-    ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
-        """One unit per module (its first-owned parameters), one for all persistent ones."""
-        seen: set[int] = set()
-        units: list[GatherUnit] = []
-        persistent: list[ShardedParam] = []
-        for name, module in model.named_modules():
-            own: list[ShardedParam] = []
-            for param in module._parameters.values():
-                if param is None or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                sp = sharded(param)
-                assert sp is not None
-                (persistent if sp.numel <= threshold else own).append(sp)
-            if own:
-                units.append(GatherUnit(own, self.comm, name or type(module).__name__))
-        persistent_unit = None
-        if persistent:
-            persistent_unit = GatherUnit(persistent, self.comm, "<persistent>")
-            persistent_unit.persistent = True
-        module_units: dict[nn.Module, list[GatherUnit]] = {}
-        for module in model.modules():
-            needed: list[GatherUnit] = []
-            for param in module._parameters.values():
-                sp = sharded(param) if param is not None else None
-                if sp is not None and sp.unit is not None and not sp.unit.persistent and sp.unit not in needed:
-                    needed.append(sp.unit)
-            module_units[module] = needed
-        return units, module_units, persistent_unit
-
     @property
     def all_units(self) -> list[GatherUnit]:
         return self.units + ([self.persistent_unit] if self.persistent_unit is not None else [])
-
-    def _consolidate_lp(self) -> FlatBuffer:
-        """Move every unit's shards into ONE flat 16-bit buffer (the `lp_params` state)."""
-        total = sum(unit.shard_numel for unit in self.all_units)
-        flat = FlatBuffer.zeros("lp_params", total, self.compute_dtype, self.device)
-        cursor = 0
-        for unit in self.all_units:
-            shards = [sp.lp_shard() for sp in unit.params]
-            unit.assign_lp(flat, cursor)
-            torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
-            cursor += unit.shard_numel
-        return flat
 
     def _optimizer_groups(
         self, model: nn.Module, model_parameters: Iterable[Any] | None
