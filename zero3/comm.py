@@ -7,8 +7,11 @@ older `*_into_tensor` / `*_tensor` names) is made once.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,16 +63,17 @@ class Communicator:
 
     # [Note: the worker's tensors]
     # A gloo collective runs on a worker thread, which lets go of the work (and
-    # the tensors in it) only after `wait()` has returned to us. If Python has
-    # dropped those tensors by then, the worker must take the GIL to free their
-    # Python objects; at interpreter exit CPython kills a thread that asks for
-    # the GIL, here inside a C++ destructor, and the process aborts with
-    # "terminate called without an active exception" (2 of 40 two-rank jobs that
-    # ended in destroy_process_group()). So each collective gets private aliases
-    # of its tensors, kept here until the worker has let go of them (an alias's
-    # use count falls to 1, ours); the worker's release is then never the last.
+    # so of the tensors in it) only after `wait()` has returned to us. When that
+    # release drops a tensor's last reference from C++, torch gives up the
+    # tensor's Python object, which takes the GIL. If the interpreter is
+    # finalizing by then, CPython kills the thread asking for the GIL, here
+    # inside a C++ destructor, and the process aborts with "terminate called
+    # without an active exception" (3 of 80 two-rank jobs ending in
+    # destroy_process_group()). So each collective gets private aliases of its
+    # tensors (`_HANDED_OVER`), whose reference counts say whether a worker
+    # still holds them, and at exit the interpreter waits, releasing the GIL,
+    # until no worker does.
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self._handed_over: list[tuple[torch.Tensor, ...]] = []
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -89,7 +93,7 @@ class Communicator:
     def close(self) -> None:
         """Destroy the side groups (every rank calls this, as it called `open_side_groups`)."""
         groups, self._side_groups = self._side_groups, []
-        self._forget_released()
+        _forget_released()
         self.reduce_group = self.control_group = self.group
         if dist.is_initialized():
             for group in groups:
@@ -134,11 +138,12 @@ class Communicator:
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
 
-    def _hand_over(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @staticmethod
+    def _hand_over(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Private aliases (same storage) of a collective's tensors; see the Note."""
-        self._forget_released()
+        _forget_released()
         aliases = tuple(t.detach() for t in tensors)
-        self._handed_over.append(aliases)
+        _HANDED_OVER.append(aliases)
         return aliases
 
     @staticmethod
@@ -149,8 +154,46 @@ class Communicator:
         work.wait()
         return None
 
-    def _forget_released(self) -> None:
-        """Drop the aliases no work holds any more (ours is then the last reference)."""
-        self._handed_over = [
-            aliases for aliases in self._handed_over if any(alias._use_count() > 1 for alias in aliases)
-        ]
+
+# Aliases of every communicator's collectives that a worker may still hold (see the Note).
+_HANDED_OVER: list[tuple[torch.Tensor, ...]] = []
+
+
+def _python_refs(aliases: tuple[torch.Tensor, ...]) -> list[int]:
+    return [sys.getrefcount(alias) for alias in aliases]
+
+
+# What `_python_refs` counts for an alias nothing but its tuple holds.
+_LONE_REFS = _python_refs((torch.empty(0),))[0]
+
+
+def _still_held(aliases: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a worker holds an alias, or is still letting go of it.
+
+    A worker first drops its C++ reference (the use count falls to ours, 1),
+    then the reference torch keeps on the alias's Python object while C++
+    holds the tensor; only after both is the alias ours alone.
+    """
+    return any(alias._use_count() > 1 for alias in aliases) or any(
+        refs > _LONE_REFS for refs in _python_refs(aliases)
+    )
+
+
+def _forget_released() -> None:
+    """Drop the aliases no work holds any more (ours is then the last reference)."""
+    _HANDED_OVER[:] = [aliases for aliases in _HANDED_OVER if _still_held(aliases)]
+
+
+@atexit.register
+def _let_workers_release() -> None:
+    """Atexit runs before finalization: sleep (the GIL free) until no worker holds an alias."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    _forget_released()
+    while _HANDED_OVER and time.monotonic() < deadline:
+        time.sleep(0.001)
+        _forget_released()
+
+
+# Long enough for a descheduled worker thread; an alias still held after it belongs
+# to a work Python itself keeps (freed by the GC, under the GIL).
+_EXIT_WAIT_S = 2.0

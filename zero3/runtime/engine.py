@@ -479,6 +479,7 @@ class ZeroEngine:
             sp.unit = None
             sp.lp_slot = sp.hp_slot = sp.grad_slot = None
             sp.optim_slots = {}
+        self.reducer.close()
         self.reducer.scratch = None
         self.lp_params.release("was freed: this zero3 engine was destroyed")
         if self.optimizer is not None:

@@ -22,8 +22,11 @@ factor/world after it (`prescale_gradients` divides by world before).
 A slot is reused once its reduction has landed. On CUDA that wait is a
 stream wait, which never blocks this thread. On the CPU it would block, and
 during a backward another rank may need this one to walk on first
-(zero3.runtime.gather_walk), so a busy slot is replaced by a fresh buffer
-instead; blocking waits happen only once every rank has left the backward.
+(zero3.runtime.gather_walk), so a busy slot whose reduction has not finished
+is replaced by a fresh buffer instead; blocking waits happen only once every
+rank has left the backward. (A gloo reduce-scatter's work never reports
+`is_completed()`, measured on torch 2.13, so on the CPU one helper thread
+waits on the reductions in order and says which have finished.)
 A gradient that arrives for a bucket already sent (a parameter accumulated
 twice in one backward, as reentrant checkpointing can do) is reduced in one
 more round at the end, which every rank joins if any rank needs it.
@@ -32,6 +35,7 @@ more round at the end, which every rank joins if any rank needs it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +59,12 @@ class _Reduction:
     work: dist.Work | None
     output: torch.Tensor
     slot: int | None  # None: the reduction owns a fresh buffer
+    finished: Future[None] | None = None  # on the CPU: the helper thread's wait
+
+    def has_finished(self) -> bool:
+        if self.work is None:
+            return True
+        return self.finished.done() if self.finished is not None else self.work.is_completed()
 
 
 class GradientReducer:
@@ -86,6 +96,7 @@ class GradientReducer:
         self.pre_scale = 1.0 / world if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / world
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
+        self._waiter: ThreadPoolExecutor | None = None  # the CPU's completion watcher (see the Note)
         self.scratch: FlatBuffer | None = None
         self._busy: list[_Reduction | None] = [None] * self.slots
         self._inflight: list[_Reduction] = []
@@ -217,7 +228,7 @@ class GradientReducer:
         if self.pre_scale != 1.0:
             full.mul_(self.pre_scale)
         work = self.comm.reduce_scatter_flat(output, full, async_op=True)
-        reduction = _Reduction(bucket, work, output, slot)
+        reduction = _Reduction(bucket, work, output, slot, self._watch(work))
         self._inflight.append(reduction)
         if slot is not None:
             self._busy[slot] = reduction
@@ -231,8 +242,8 @@ class GradientReducer:
 
     def _take_slot(self, may_block: bool) -> int | None:
         self.allocate_scratch()
-        for reduction in list(self._inflight):  # land what has landed already, freeing its memory
-            if reduction.work is None or reduction.work.is_completed():
+        for reduction in list(self._inflight):  # land what has finished already, freeing its memory
+            if reduction.has_finished():
                 self._land(reduction)
         for slot, busy in enumerate(self._busy):
             if busy is None:
@@ -256,3 +267,16 @@ class GradientReducer:
     def _land_all(self) -> None:
         for reduction in list(self._inflight):
             self._land(reduction)
+
+    def _watch(self, work: dist.Work | None) -> Future[None] | None:
+        if work is None or self._stream_waits:
+            return None
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-reduce-wait")
+        return self._waiter.submit(work.wait)
+
+    def close(self) -> None:
+        """Stop the helper thread (every reduction has landed by then)."""
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True, cancel_futures=True)
+            self._waiter = None
