@@ -139,6 +139,15 @@ class Communicator:
         return tensor
 
     @staticmethod
+    def forget_released() -> None:
+        """Let go of the aliases no worker holds any more, so their storage can be freed now.
+
+        Every collective does this first; callers that just freed a collective's
+        buffer (a released unit, a landed reduction) call it too.
+        """
+        _forget_released()
+
+    @staticmethod
     def _hand_over(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Private aliases (same storage) of a collective's tensors; see the Note."""
         _forget_released()

@@ -147,6 +147,7 @@ class GatherUnit:
         for sp in self.params:
             sp.set_released()
         self.unsharded = None
+        self.comm.forget_released()  # the gather's aliases would keep the freed storage otherwise
 
     @property
     def needed(self) -> bool:

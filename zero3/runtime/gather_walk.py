@@ -313,6 +313,8 @@ class GatherWalk:
         if work is not None:
             work.wait()
         self._throwaway_numel -= output.numel()
+        del work, output
+        self.comm.forget_released()
 
     # ---- markers --------------------------------------------------------------------
     def _issue_marker(self, done: bool, payload: Sequence[int]) -> tuple[torch.Tensor, dist.Work | None]:

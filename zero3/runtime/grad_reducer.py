@@ -263,6 +263,8 @@ class GradientReducer:
         self._inflight.remove(reduction)
         if reduction.slot is not None:
             self._busy[reduction.slot] = None
+        reduction.work = None
+        self.comm.forget_released()
 
     def _land_all(self) -> None:
         for reduction in list(self._inflight):
