@@ -148,6 +148,12 @@ class Communicator:
         _forget_released()
 
     @staticmethod
+    def settle(timeout_s: float = 1.0) -> None:
+        """Between collectives (every work complete): wait, the GIL free, until the workers
+        have let go of every alias, so the memory they pin is freed (before an offload)."""
+        _settle(timeout_s)
+
+    @staticmethod
     def _hand_over(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Private aliases (same storage) of a collective's tensors; see the Note."""
         _forget_released()
@@ -193,16 +199,19 @@ def _forget_released() -> None:
     _HANDED_OVER[:] = [aliases for aliases in _HANDED_OVER if _still_held(aliases)]
 
 
-@atexit.register
-def _let_workers_release() -> None:
-    """Atexit runs before finalization: sleep (the GIL free) until no worker holds an alias."""
-    deadline = time.monotonic() + _EXIT_WAIT_S
+def _settle(timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     _forget_released()
     while _HANDED_OVER and time.monotonic() < deadline:
         time.sleep(0.001)
         _forget_released()
 
 
-# Long enough for a descheduled worker thread; an alias still held after it belongs
-# to a work Python itself keeps (freed by the GC, under the GIL).
-_EXIT_WAIT_S = 2.0
+@atexit.register
+def _let_workers_release() -> None:
+    """Atexit runs before finalization: let every worker finish letting go (see the Note).
+
+    Two seconds is ample for a descheduled worker thread; an alias still held
+    after it belongs to a work Python itself keeps, freed by the GC under the GIL.
+    """
+    _settle(2.0)

@@ -426,6 +426,7 @@ class ZeroEngine:
         """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
         self._finish_backward()
         self.coordinator.release_all()
+        self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident
         if OffloadStateType.lp_params in states and self.persistent_unit is not None:
             self.persistent_unit.reshard()  # re-gathered by the next forward
         if self.optimizer is not None and states & {OffloadStateType.hp_params, OffloadStateType.optim_states}:

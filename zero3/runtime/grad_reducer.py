@@ -35,7 +35,7 @@ more round at the end, which every rank joins if any rank needs it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +97,7 @@ class GradientReducer:
         self.post_scale = 1.0 if prescale else predivide_factor / world
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
         self._waiter: ThreadPoolExecutor | None = None  # the CPU's completion watcher (see the Note)
+        self._watched: list[Future[None]] = []
         self.scratch: FlatBuffer | None = None
         self._busy: list[_Reduction | None] = [None] * self.slots
         self._inflight: list[_Reduction] = []
@@ -186,6 +187,7 @@ class GradientReducer:
             self._send(self._next, may_block=True)
             self._next += 1
         self._land_all()
+        self._settled_watchers()
         if any_rank_late:
             late, self._late = self._late, []
             self._grads = [[None] * len(b.params) for b in self.buckets]
@@ -196,6 +198,7 @@ class GradientReducer:
             for j in range(len(self.buckets)):
                 self._send(j, may_block=True)
             self._land_all()
+            self._settled_watchers()
         self._open = False
         self._grads, self._accounted, self._late = [], [], []
         self._zeros = None
@@ -270,12 +273,20 @@ class GradientReducer:
         for reduction in list(self._inflight):
             self._land(reduction)
 
+    def _settled_watchers(self) -> None:
+        """Every reduction has landed: wait for the helper thread to let go of their works too."""
+        if self._watched:
+            wait(self._watched)
+            self._watched = []
+
     def _watch(self, work: dist.Work | None) -> Future[None] | None:
         if work is None or self._stream_waits:
             return None
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-reduce-wait")
-        return self._waiter.submit(work.wait)
+        finished = self._waiter.submit(work.wait)
+        self._watched.append(finished)
+        return finished
 
     def close(self) -> None:
         """Stop the helper thread (every reduction has landed by then)."""
