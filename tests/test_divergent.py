@@ -70,7 +70,7 @@ def train_routed(rank: int, world: int, zero: dict) -> dict:
     params = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
     statuses = {zero3.param_status(p) for p in model.parameters()}
     result = {"losses": losses, "params": params, "codes": codes, "statuses": statuses, "peak": peak[0],
-              "live_after": engine.coordinator.live_numel(), "largest_unit": max(u.numel for u in engine.units)}
+              "live_after": engine.coordinator.live_numel()}
     engine.destroy()
     return result
 

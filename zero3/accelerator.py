@@ -74,10 +74,15 @@ def _from_environment() -> tuple[torch.device | None, str]:
     return None, ""
 
 
+def _group_backend() -> str | None:
+    """The default process group's backend ("gloo", "nccl", "cpu:gloo,cuda:nccl"), if one exists."""
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+
+
 def _from_process_group() -> tuple[torch.device | None, str]:
-    if not (dist.is_available() and dist.is_initialized()):
+    backend = _group_backend()
+    if backend is None:
         return None, ""
-    backend = str(dist.get_backend())
     # "cpu:gloo,cuda:nccl" style backends serve both; the accelerator wins there.
     if "nccl" in backend:
         return torch.device("cuda"), f"the process group's backend {backend!r}"
@@ -107,9 +112,9 @@ def _cuda_for_this_rank(device: torch.device, source: str) -> torch.device:
 
 
 def _check_against_process_group(device: torch.device, source: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    backend = _group_backend()
+    if backend is None:
         return
-    backend = str(dist.get_backend())
     wanted = communication_backend(device)
     if wanted not in backend:
         raise DeviceChoiceError(

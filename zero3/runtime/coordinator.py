@@ -100,8 +100,7 @@ class ParamCoordinator:
         self.forward_walk = GatherWalk("forward", units, comm, self.live, prefetch_numel, max_live_numel)
         # The backward's last marker also says whether a rank has gradients to reduce late.
         self.backward_walk = GatherWalk("backward", units, comm, self.live, prefetch_numel, max_live_numel, 1)
-        self.backward_walk.set_order(list(reversed(range(len(units)))))
-        self.forward_walk.set_order(list(range(len(units))))
+        self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
         self._forward_depth = 0
@@ -114,7 +113,8 @@ class ParamCoordinator:
         self.used_since_backward: set[GatherUnit] = set()
         self._in_backward = False
         self._handles: list[RemovableHandle] = []
-        for unit in units + ([persistent_unit] if persistent_unit is not None else []):
+        self._all_units = units + ([persistent_unit] if persistent_unit is not None else [])
+        for unit in self._all_units:
             unit.observer = self._observe
             unit.fetcher = self._fetch
             for sp in unit.params:
@@ -135,7 +135,7 @@ class ParamCoordinator:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for unit in self.units + ([self.persistent_unit] if self.persistent_unit is not None else []):
+        for unit in self._all_units:
             unit.observer = None
             unit.fetcher = None
             for sp in unit.params:

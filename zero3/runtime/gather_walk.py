@@ -246,9 +246,7 @@ class GatherWalk:
             if not self.lockstep:
                 return  # nobody else waits on it
             self._make_room(unit.numel)
-            unit.start_unshard(async_op=True)
-            self._unclaimed[unit] = None
-            self._unclaimed_numel += unit.numel
+            self._gather_unclaimed(unit)
             while self._unclaimed_numel > self.prefetch_numel and self._unclaimed:
                 self._release_oldest()
         elif self.lockstep:
@@ -280,9 +278,13 @@ class GatherWalk:
                 return
             self._pos += 1
             budget -= unit.numel
-            unit.start_unshard(async_op=True)
-            self._unclaimed[unit] = None
-            self._unclaimed_numel += unit.numel
+            self._gather_unclaimed(unit)
+
+    def _gather_unclaimed(self, unit: GatherUnit) -> None:
+        """Start a gather this rank has not asked for (yet): held by the walk until claimed."""
+        unit.start_unshard(async_op=True)
+        self._unclaimed[unit] = None
+        self._unclaimed_numel += unit.numel
 
     def _claim(self, unit: GatherUnit) -> None:
         del self._unclaimed[unit]

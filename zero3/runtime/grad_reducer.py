@@ -92,7 +92,6 @@ class GradientReducer:
         self._largest_numel = max((sp.numel for sp in params), default=0)
         # A second slot only helps when one backward fills more than one bucket.
         self.slots = 2 if overlap and len(self.buckets) > 1 else 1
-        self.overlap = overlap
         self.pre_scale = 1.0 / world if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / world
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
@@ -171,8 +170,7 @@ class GradientReducer:
         if j < self._next:
             self._late.append((sp, grad))
             return
-        held = self._grads[j][k]
-        self._grads[j][k] = grad if held is None else held + grad
+        self._hold(j, k, grad)
         self._account(j, k)
         self._send_ready()
 
@@ -187,21 +185,22 @@ class GradientReducer:
             self._send(self._next, may_block=True)
             self._next += 1
         self._land_all()
-        self._settled_watchers()
         if any_rank_late:
             late, self._late = self._late, []
             self._grads = [[None] * len(b.params) for b in self.buckets]
             for sp, grad in late:
-                j, k = self._where[sp]
-                held = self._grads[j][k]
-                self._grads[j][k] = grad if held is None else held + grad
+                self._hold(*self._where[sp], grad)
             for j in range(len(self.buckets)):
                 self._send(j, may_block=True)
             self._land_all()
-            self._settled_watchers()
         self._open = False
         self._grads, self._accounted, self._late = [], [], []
         self._zeros = None
+
+    def _hold(self, j: int, k: int, grad: torch.Tensor) -> None:
+        """Keep a gradient for bucket j until it is sent (summed with one held already)."""
+        held = self._grads[j][k]
+        self._grads[j][k] = grad if held is None else held + grad
 
     def _account(self, j: int, k: int) -> None:
         if not self._accounted[j][k]:
@@ -270,11 +269,9 @@ class GradientReducer:
         self.comm.forget_released()
 
     def _land_all(self) -> None:
+        """Land every reduction, and wait for the helper thread to let go of their works too."""
         for reduction in list(self._inflight):
             self._land(reduction)
-
-    def _settled_watchers(self) -> None:
-        """Every reduction has landed: wait for the helper thread to let go of their works too."""
         if self._watched:
             wait(self._watched)
             self._watched = []
