@@ -133,9 +133,10 @@ def test_cli_train_two_ranks() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
-    # Valid config, refused by the engine in every worker (the offload tiers are not built yet).
+    # Valid config, refused by the engine in every worker (the disk tier's directory does not exist).
     config = tmp_path / "offload.json"
-    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    missing = str(tmp_path / "no-such-dir")
+    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": missing}}}))
     argv = ["train", "--nproc", "2", "--steps", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
             "--block-size", "16", "--config", str(config)]
     env = dict(os.environ)
@@ -149,5 +150,6 @@ def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
     # The summary itself names the error, not only where the logs are.
     failed = [line for line in last_lines if line.startswith("zero3 train: rank ") and " failed: " in line]
     assert failed, proc.stderr
-    assert "NotImplementedError: zero_optimization.offload_optimizer.device='cpu'" in failed[0]
+    assert "TierConfigError: zero_optimization.offload_optimizer.nvme_path=" in failed[0], failed[0]
+    assert "does not exist" in failed[0], failed[0]
     assert last_lines[-1].startswith("zero3 train: the workers' logs are in ")

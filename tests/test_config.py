@@ -221,9 +221,10 @@ def test_all_errors_reported_at_once() -> None:
         ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
         ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, "optimizer.params.momentum"),
         (
-            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-            "zero_optimization.offload_optimizer.ratio",
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratios": 0.5}}},
+            "zero_optimization.offload_optimizer.ratios",
         ),
+        ({"aio": {"block": 4096}}, "aio.block"),
     ],
 )
 def test_unknown_key_is_named(config: dict[str, Any], key: str) -> None:
@@ -448,3 +449,42 @@ def test_zero3_config_is_a_pydantic_model() -> None:
     # The engine may build one directly; extra keys must still be rejected there.
     with pytest.raises(pydantic.ValidationError):
         Zero3Config.model_validate({"nonsense": 1})
+
+
+def test_offload_tier_and_aio_keys_take_deepspeed_meanings() -> None:
+    cfg = load_config({
+        "zero_optimization": {
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": True, "buffer_count": 6,
+                                  "ratio": 0.25},
+            "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 3, "buffer_size": 1e7,
+                              "max_in_cpu": 5e8},
+        },
+        "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2},
+    })
+    zc = cfg.zero_optimization
+    assert (zc.offload_optimizer.buffer_count, zc.offload_optimizer.ratio) == (6, 0.25)
+    assert (zc.offload_param.buffer_size, zc.offload_param.max_in_cpu) == (10_000_000, 500_000_000)
+    assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.thread_count) == (262144, 16, 2)
+    defaults = load_config({}).aio
+    assert (defaults.block_size, defaults.queue_depth, defaults.thread_count) == (1048576, 8, 1)
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}},
+         "zero_optimization.offload_optimizer.ratio"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0}}},
+         "zero_optimization.offload_optimizer.ratio"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 1}}},
+         "zero_optimization.offload_optimizer.buffer_count"),
+        ({"zero_optimization": {"offload_param": {"device": "cpu", "max_in_cpu": -1}}},
+         "zero_optimization.offload_param.max_in_cpu"),
+        ({"zero_optimization": {"offload_param": {"device": "disk"}}}, "zero_optimization.offload_param.device"),
+        ({"aio": {"block_size": 1000}}, "aio.block_size"),
+        ({"aio": {"queue_depth": 0}}, "aio.queue_depth"),
+        ({"aio": {"thread_count": "4"}}, "aio.thread_count"),
+    ],
+)
+def test_bad_tier_and_aio_values_name_the_key(config: dict[str, Any], key: str) -> None:
+    assert key in error_of(config)

@@ -342,22 +342,3 @@ def test_misuse_gives_clear_errors() -> None:
     assert "not a parameter of the model" in messages[1]
     assert "zero_optimization.stage" in messages[2]
     assert "scalar loss" in messages[3] and "(3, 2)" in messages[3]
-
-
-# ---- ZeRO-Offload tiers in the config are refused, not ignored ------------------------------------
-def offload_tier_in_config(rank: int, world: int) -> list[str]:
-    messages = []
-    for key, tier in (("offload_optimizer", {"device": "cpu"}), ("offload_param", {"device": "nvme", "nvme_path": "/tmp"})):
-        model = models.MLP()
-        try:
-            zero3.initialize(model=model, config=cfg(zero={key: tier}))
-        except NotImplementedError as error:
-            messages.append(str(error))
-    return messages
-
-
-def test_config_offload_tiers_are_refused_with_a_clear_error() -> None:
-    (messages,) = run_ranks(1, offload_tier_in_config)
-    assert len(messages) == 2
-    assert "zero_optimization.offload_optimizer.device='cpu'" in messages[0]
-    assert "zero_optimization.offload_param.device='nvme'" in messages[1] and "offload_states" in messages[1]

@@ -1,6 +1,8 @@
 """Per-parameter access to the engine's state (API.md's `safe_get_*`).
 
-Local getters return views that share storage with the engine's flat buffers.
+Local getters return views that share storage with the engine's flat buffers,
+except for a state whose home is disk (ZeRO-Infinity): there they return a
+copy read from its file (writing to it changes nothing).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ def param_status(param: torch.Tensor) -> ParamStatus:
 
 def safe_get_local_lp_param(param: torch.Tensor) -> torch.Tensor:
     """This rank's 16-bit shard (zero padded to the shard size)."""
-    return require_sharded(param, "safe_get_local_lp_param").lp_shard()
+    sp = require_sharded(param, "safe_get_local_lp_param")
+    assert sp.lp_slot is not None
+    return sp.lp_slot.read()
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's fp32 master shard; None for a parameter the optimizer does not train."""
     sp = require_sharded(param, "safe_get_local_fp32_param")
-    return sp.hp_slot.view() if sp.hp_slot is not None else None
+    return sp.hp_slot.read() if sp.hp_slot is not None else None
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -39,14 +43,16 @@ def safe_get_local_optimizer_state(param: torch.Tensor, name: str) -> torch.Tens
         return None
     if name not in sp.optim_slots:
         raise ValueError(f"unknown optimizer state {name!r}; expected one of {sorted(sp.optim_slots)}")
-    return sp.optim_slots[name].view()
+    return sp.optim_slots[name].read()
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The whole fp32 parameter, gathered from every rank's master shard (collective)."""
     sp = require_sharded(param, "safe_get_full_fp32_param")
     assert sp.unit is not None
-    shard = sp.hp_slot.view() if sp.hp_slot is not None else sp.lp_shard().float()
+    assert sp.lp_slot is not None
+    shard = sp.hp_slot.read() if sp.hp_slot is not None else sp.lp_slot.read().float()
+    shard = shard.to(sp.unit.device)
     full = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
     sp.unit.comm.all_gather_flat(full, shard.contiguous())
     return full[: sp.numel].view(sp.shape)

@@ -242,6 +242,7 @@ class FP16Config(_Model):
 class _OffloadBase(_Model):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
+    # Page-locked host buffers for the device<->host copies (CUDA only; a warning elsewhere).
     pin_memory: bool = False
 
     @model_validator(mode="after")
@@ -254,17 +255,52 @@ class _OffloadBase(_Model):
 
 
 class OffloadParamConfig(_OffloadBase):
+    """ZeRO-Infinity parameter offload: the 16-bit shards live on the host or on disk."""
+
+    # Host buffers a disk tier streams shards through (each `buffer_size` elements).
     buffer_count: int = Field(default=5, gt=0)
+    buffer_size: _Size = Field(default=100_000_000, gt=0)
+    # With device 'nvme': this many shard elements stay in host memory, the rest on disk.
+    max_in_cpu: _Size = Field(default=1_000_000_000, ge=0)
 
 
 class OffloadOptimizerConfig(_OffloadBase):
-    buffer_count: int = Field(default=4, gt=0)
+    """ZeRO-Offload / ZeRO-Infinity optimizer offload: fp32 masters and moments on the host or on disk."""
+
+    # Sub-group windows a disk tier streams the optimizer state through (read ahead, write behind).
+    buffer_count: int = Field(default=4, gt=1)
+    # The fraction of the optimizer state offloaded (DeepSpeed's partial offload); the rest stays
+    # on the device.
+    ratio: float = Field(default=1.0, gt=0, le=1)
+    # Accepted for DeepSpeed configs: reads and writes always overlap the step here.
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
 
 
 def _none_as_empty(value: Any) -> Any:
     # DeepSpeed allows "offload_param": null; treat it as "no offload" so the
     # engine never has to test for None.
     return {} if value is None else value
+
+
+class AioConfig(_Model):
+    """The disk tier's I/O (DeepSpeed's `aio` section): request size, requests in flight, threads."""
+
+    block_size: _Size = Field(default=1_048_576, gt=0)
+    queue_depth: int = Field(default=8, gt=0)
+    thread_count: int = Field(default=1, gt=0)
+    # Accepted for DeepSpeed configs (libaio submission details; requests are always overlapped).
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    @field_validator("block_size")
+    @classmethod
+    def _whole_pages(cls, block_size: int) -> int:
+        if block_size % 4096:
+            raise ValueError("must be a multiple of 4096 bytes")
+        return block_size
 
 
 class ZeroConfig(_Model):
@@ -328,6 +364,7 @@ class Zero3Config(_Model):
     fp16: FP16Config = FP16Config()
     zero_optimization: ZeroConfig = ZeroConfig()
     data_types: DataTypesConfig = DataTypesConfig()
+    aio: AioConfig = AioConfig()
     # The dtype gradients are summed across ranks in (None: the compute dtype).
     communication_data_type: _DtypeName | None = None
     # Gradients are divided by this before the sum across ranks and by world/this
@@ -382,12 +419,22 @@ class Zero3Config(_Model):
             note("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                  zc.stage3_gather_16bit_weights_on_model_save,
                  "zero3 has no save_16bit_model yet")
-        for key, tier in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
-            if tier.device != "none":
-                continue  # the engine refuses such a tier itself
-            for field in ("pin_memory", "buffer_count") + (("nvme_path",) if key == "offload_optimizer" else ()):
-                if field in tier.model_fields_set:
+        tiers = (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer))
+        for key, tier in tiers:
+            if tier.device == "none":
+                for field in sorted(tier.model_fields_set - {"device"}):
                     note(f"zero_optimization.{key}.{field}", getattr(tier, field), f"{key}.device is 'none'")
+                continue
+            if tier.device == "cpu" and tier.nvme_path is not None:
+                note(f"zero_optimization.{key}.nvme_path", tier.nvme_path, f"{key}.device is 'cpu'")
+        for field in ("pipeline_read", "pipeline_write", "fast_init"):
+            if field in zc.offload_optimizer.model_fields_set and zc.offload_optimizer.device != "none":
+                note(f"zero_optimization.offload_optimizer.{field}", getattr(zc.offload_optimizer, field),
+                     "zero3 always reads the next sub-group and writes the last one while a sub-group steps")
+        for field in ("single_submit", "overlap_events", "use_gds"):
+            if field in self.aio.model_fields_set:
+                note(f"aio.{field}", getattr(self.aio, field),
+                     "zero3's disk I/O keeps aio.queue_depth requests in flight on aio.thread_count threads")
         if self.optimizer is not None and "torch_adam" in self.optimizer.params.model_fields_set:
             note("optimizer.params.torch_adam", self.optimizer.params.torch_adam,
                  "zero3 always steps torch's own Adam/AdamW (fused on CUDA)")

@@ -1,14 +1,20 @@
-"""The disk tier: a rank's directory of parked states and the threads that move their bytes.
+"""The disk I/O layer: a rank's directories of state files and the threads that move their bytes.
+
+Parking (`offload_states`) and the ZeRO-Infinity tiers use this one layer:
+one file format (a flat buffer's raw bytes, one file per buffer), one chunked
+reader and writer, one thread pool.
 
 [Note: disk I/O]
 Each buffer is one file, reserved up front with `posix_fallocate` (so a full
 disk or a file-size limit fails before any state changes, and the file is
-laid out contiguously), then written or read in large chunks by a small
-thread pool: several `pwrite`/`preadv` requests in flight, each a plain
-syscall that releases the GIL. CPU tensors are written from, and read into,
-their own memory: no staging copy. The files are private scratch, not
-checkpoints: they are not fsynced, and are removed once read back (off the
-caller's path: unlinking a large file takes milliseconds).
+laid out contiguously), then written or read in chunks of `aio.block_size`
+bytes by a thread pool of `aio.thread_count * aio.queue_depth` workers: that
+many `pwrite`/`preadv` requests in flight, each a plain syscall that releases
+the GIL. A request may cover a range of a file (a tier reads one sub-group or
+one unit at a time). CPU tensors are written from, and read into, their own
+memory: no staging copy. Parked files are private scratch, not checkpoints:
+they are not fsynced, and are removed once read back (off the caller's path:
+unlinking a large file takes milliseconds).
 
 A reload needs fresh memory, and faulting it in 4 KiB at a time costs more
 than reading the bytes from the page cache; `empty_host` maps it anonymously
@@ -35,6 +41,19 @@ IO_THREADS = 4
 
 class OffloadIOError(RuntimeError):
     """Disk offload or reload failed; the message says which file, what was asked, and what was kept."""
+
+
+class StepIOError(OffloadIOError):
+    """An optimizer step failed on a disk tier. `step_applied` says whether it landed:
+
+    False: the state is as before the step and the gradients are kept; call `engine.step()` again.
+    True: the optimizer state was updated but some 16-bit shards were not written; they are
+    rewritten from the masters before the next forward. Do not repeat the step.
+    """
+
+    def __init__(self, message: str, step_applied: bool) -> None:
+        super().__init__(message)
+        self.step_applied = step_applied
 
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -119,6 +138,10 @@ class Transfer:
         finally:
             self._finished.set()
 
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
     def wait(self) -> BaseException | None:
         self._finished.wait()
         return self._error
@@ -146,65 +169,93 @@ class DiskFile:
 
 
 class DiskTier:
-    """This rank's directory under the user's nvme_path, and the I/O threads."""
+    """This rank's directories under the users' nvme paths, and the I/O threads."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, chunk_bytes: int = CHUNK_BYTES, threads: int = IO_THREADS) -> None:
         self.rank = rank
+        self.chunk_bytes = chunk_bytes
+        self.threads = threads
+        # The directory parked states go to (the latest root asked for), and every directory made.
         self.directory: Path | None = None
+        self._directories: dict[Path, Path] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._removals: list[Future] = []
+        # Bytes asked of the disk since the engine was built (benchmarks read them).
+        self.bytes_read = 0
+        self.bytes_written = 0
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zero3-disk")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zero3-disk")
         return self._pool
 
-    def reserve(self, root: Path, files: dict[str, int]) -> dict[str, DiskFile]:
+    def reserve(self, root: Path, files: dict[str, int], purpose: str = "offload") -> dict[str, DiskFile]:
         """Create and reserve every file (name -> bytes), or none of them: raises OffloadIOError."""
         needed = sum(files.values())
         created: dict[str, DiskFile] = {}
         self.finish_removals()
         try:
-            directory = self._directory(root)
+            directory = self.directory_under(root)
             free = shutil.disk_usage(directory).free
             if needed > free:
                 raise OSError(f"{needed} bytes are needed and {free} are free")
             for name, nbytes in files.items():
-                created[name] = DiskFile(directory / f"{name}.bin", nbytes)
+                created[name] = DiskFile(directory / f"{name.replace(':', '-')}.bin", nbytes)
         except OSError as error:
             for file in created.values():
                 file.remove()
             self.remove_directory_if_empty()
             raise OffloadIOError(
-                f"cannot offload {sorted(files)} ({needed} bytes) to disk under {str(root)!r}: {error}. "
+                f"cannot {purpose} {sorted(files)} ({needed} bytes) to disk under {str(root)!r}: {error}. "
                 "Nothing was moved: every state is where it was."
             ) from error
         return created
 
-    def _directory(self, root: Path) -> Path:
-        if self.directory is not None and self.directory.parent == root and self.directory.is_dir():
-            return self.directory
-        root.mkdir(parents=True, exist_ok=True)
-        self.directory = Path(tempfile.mkdtemp(prefix=f"zero3-rank{self.rank}-", dir=root))
-        return self.directory
+    def directory_under(self, root: Path) -> Path:
+        """This rank's private directory under `root` (made once; parked states go to the latest)."""
+        directory = self._directories.get(root)
+        if directory is None or not directory.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
+            directory = Path(tempfile.mkdtemp(prefix=f"zero3-rank{self.rank}-", dir=root))
+            self._directories[root] = directory
+        self.directory = directory
+        return directory
 
-    def write(self, file: DiskFile, source: torch.Tensor) -> list[Future]:
-        """Submit the writes of a contiguous CPU tensor's bytes to `file`, in chunks."""
+    def write(self, file: DiskFile, source: torch.Tensor, offset: int = 0) -> list[Future]:
+        """Submit the writes of a contiguous CPU tensor's bytes to `file` at byte `offset`, in chunks."""
         data = _byte_view(source)
+        if offset + len(data) > file.nbytes:
+            raise ValueError(f"{file.path} holds {file.nbytes} bytes; cannot write {len(data)} at {offset}")
+        self.bytes_written += len(data)
         return [
-            self._executor().submit(_pwrite_all, file.fd, data[start : start + CHUNK_BYTES], start)
-            for start in range(0, len(data), CHUNK_BYTES)
+            self._executor().submit(_pwrite_all, file.fd, data[start : start + self.chunk_bytes], offset + start)
+            for start in range(0, len(data), self.chunk_bytes)
         ]
 
-    def read(self, file: DiskFile, into: torch.Tensor) -> list[Future]:
-        """Submit the reads of `file` into a contiguous CPU tensor of the same size, in chunks."""
+    def read(self, file: DiskFile, into: torch.Tensor, offset: int | None = None) -> list[Future]:
+        """Submit the reads of `file` (from byte `offset`; the whole file when None) into a contiguous CPU tensor."""
         data = _byte_view(into)
-        if len(data) != file.nbytes:
-            raise ValueError(f"{file.path} holds {file.nbytes} bytes, the buffer {len(data)}")
+        if offset is None:
+            if len(data) != file.nbytes:
+                raise ValueError(f"{file.path} holds {file.nbytes} bytes, the buffer {len(data)}")
+            offset = 0
+        elif offset + len(data) > file.nbytes:
+            raise ValueError(f"{file.path} holds {file.nbytes} bytes; cannot read {len(data)} at {offset}")
+        self.bytes_read += len(data)
         return [
-            self._executor().submit(_pread_all, file.fd, data[start : start + CHUNK_BYTES], start, file.path)
-            for start in range(0, len(data), CHUNK_BYTES)
+            self._executor().submit(
+                _pread_all, file.fd, data[start : start + self.chunk_bytes], offset + start, file.path
+            )
+            for start in range(0, len(data), self.chunk_bytes)
         ]
+
+    def write_now(self, file: DiskFile, source: torch.Tensor, offset: int = 0) -> None:
+        """Write and wait; raises the first failure."""
+        _wait_all(self.write(file, source.contiguous(), offset))
+
+    def read_now(self, file: DiskFile, into: torch.Tensor, offset: int = 0) -> None:
+        """Read and wait; raises the first failure."""
+        _wait_all(self.read(file, into, offset))
 
     def discard(self, files: list[DiskFile]) -> None:
         """Remove files in the background; `finish_removals` waits for them."""
@@ -217,15 +268,29 @@ class DiskTier:
         self.remove_directory_if_empty()
 
     def remove_directory_if_empty(self) -> None:
-        if self.directory is not None and self.directory.is_dir() and not any(self.directory.iterdir()):
-            self.directory.rmdir()
-            self.directory = None
+        for root, directory in list(self._directories.items()):
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+            if not directory.is_dir():
+                del self._directories[root]
+                if self.directory == directory:
+                    self.directory = None
 
     def close(self) -> None:
         self.finish_removals()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = None
+        for directory in self._directories.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._directories.clear()
+        self.directory = None
+
+
+def _wait_all(futures: list[Future]) -> None:
+    error: BaseException | None = None
+    for future in futures:
+        failure = future.exception()
+        error = error or failure
+    if error is not None:
+        raise error

@@ -21,20 +21,58 @@ import torch
 from zero3 import accelerator
 
 
-class HostTier:
+class HostBufferPool:
+    """The one pool of reusable host buffers: parked states' pinned copies and the tiers' windows.
+
+    A buffer is kept under its key and handed out again while its size and
+    dtype still fit; pinned (page-locked) beside a CUDA device when asked,
+    ordinary memory elsewhere (pinning is meaningless without CUDA).
+    """
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pinned: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        pin = pin and accelerator.supports_pinned_memory(self.device)
+        held = self.buffers.get(key)
+        if held is None or held.numel() < numel or held.dtype != dtype or held.is_pinned() != pin:
+            self.buffers.pop(key, None)  # the old one goes before the new one is made
+            held = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+            self.buffers[key] = held
+        return held[:numel]
+
+    def drop(self, prefix: str) -> None:
+        for key in [key for key in self.buffers if key.startswith(prefix)]:
+            del self.buffers[key]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values() if t.is_pinned())
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+class HostTier:
+    def __init__(self, device: torch.device, pool: HostBufferPool) -> None:
+        self.device = device
+        self.pool = pool
         self._stream = accelerator.copy_stream(device)
+
+    @property
+    def pinned(self) -> dict[str, torch.Tensor]:
+        """The page-locked copies kept for reuse across offload cycles."""
+        return {key: t for key, t in self.pool.buffers.items() if key.startswith("park:") and t.is_pinned()}
 
     def _host_tensor(self, name: str, like: torch.Tensor, pin: bool) -> torch.Tensor:
         if not (pin and accelerator.supports_pinned_memory(self.device)):
             return torch.empty(like.shape, dtype=like.dtype, device="cpu")
-        host = self.pinned.get(name)
-        if host is None or host.shape != like.shape or host.dtype != like.dtype:
-            host = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
-            self.pinned[name] = host
-        return host
+        return self.pool.get(f"park:{name}", like.numel(), like.dtype, pin=True).view(like.shape)
 
     def to_host(
         self, name: str, source: torch.Tensor, pin: bool, non_blocking: bool
@@ -69,4 +107,4 @@ class HostTier:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pinned.values())
+        return self.pool.pinned_bytes

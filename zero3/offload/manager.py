@@ -27,7 +27,7 @@ import torch
 from zero3 import accelerator
 from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer, empty_host
-from zero3.offload.host import HostTier
+from zero3.offload.host import HostBufferPool, HostTier
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import FlatBuffer
 
@@ -65,7 +65,8 @@ class StateOffloader:
     def __init__(
         self,
         device: torch.device,
-        rank: int,
+        disk: DiskTier,
+        pool: HostBufferPool,
         buffers: Callable[[OffloadStateType], list[FlatBuffer]],
         scratch: ScratchOwner,
         default_nvme_path: str | None,
@@ -79,8 +80,8 @@ class StateOffloader:
         self._scratch_freed = False
         # The background writes of the call that freed the scratch bucket: if they fail, it comes back too.
         self._scratch_freed_with: Transfer | None = None
-        self.disk = DiskTier(rank)
-        self.host = HostTier(device)
+        self.disk = disk  # shared with the tiers: the engine closes it
+        self.host = HostTier(device, pool)
 
     # ---- where things are ---------------------------------------------------
     def offloaded(self) -> list[OffloadStateType]:
@@ -110,14 +111,18 @@ class StateOffloader:
     def report(self) -> StateReport:
         self.settle()
         entries: dict[str, dict[str, int]] = {}
+        homes: dict[str, dict[str, int]] = {}
         for state in OffloadStateType:
             where: dict[str, int] = {}
+            home: dict[str, int] = {}
             for buffer in self._held(state):
                 key = "nvme" if buffer.parked else str(buffer.device)
                 where[key] = where.get(key, 0) + buffer.nbytes
+                home[buffer.home] = home.get(buffer.home, 0) + buffer.nbytes
             entries[state.value] = where
+            homes[state.value] = home
         directory = str(self.disk.directory) if self.disk.directory is not None else None
-        return StateReport(entries, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
+        return StateReport(entries, homes, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
 
     # ---- offload ------------------------------------------------------------
     def resolve_nvme_path(self, nvme_path: str | Path | None) -> Path:
@@ -145,10 +150,16 @@ class StateOffloader:
             log.info("offload_states: %s already offloaded; left as they are", _names(s for s in states if s in away))
         moving: dict[OffloadStateType, list[FlatBuffer]] = {}
         in_place: list[OffloadStateType] = []
+        on_disk: list[OffloadStateType] = []
         for state in states:
             if state is SCRATCH or state in away:
                 continue
-            buffers = self._buffers(state)
+            # A buffer whose tier keeps it on disk is already there: nothing of it is in memory to move.
+            buffers = [b for b in self._buffers(state) if b.store is None]
+            if not buffers:
+                if self._buffers(state):
+                    on_disk.append(state)
+                continue
             if target is OffloadDevice.cpu and all(b.device.type == "cpu" for b in buffers):
                 in_place.append(state)  # a CPU engine's states already live in host memory
             elif buffers:
@@ -158,6 +169,9 @@ class StateOffloader:
                 "offload_states(device='cpu'): the engine computes on the CPU, so %s already live in host "
                 "memory; nothing to move", _names(in_place),
             )
+        if on_disk:
+            log.info("offload_states: %s live on disk by the offload tier (zero_optimization); nothing to move",
+                     _names(on_disk))
         files: dict[str, DiskFile] = {}
         if target is OffloadDevice.nvme and moving:
             assert nvme_path is not None
@@ -360,8 +374,7 @@ class StateOffloader:
                     entry.file.remove()
         self._parked.clear()
         self._loading.clear()
-        self.disk.close()
-        self.host.pinned.clear()
+        self.disk.finish_removals()
 
 
 def _names(states: Iterable[OffloadStateType]) -> str:

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 
 class StateReport(dict):
-    """state name -> {where: bytes}. `where` is a device ("cpu", "cuda:0") or "nvme" (on disk).
+    """state name -> {where: bytes}: where each state is now. `where` is a device ("cpu", "cuda:0")
+    or "nvme" (on disk). `homes` has the same shape: where each state's tier keeps it (the device,
+    the host with ZeRO-Offload, disk with ZeRO-Infinity), to which `reload_states()` brings it back.
 
     A dict, so code can read it; `str()` is a table, so `print(engine.state_report())` reads well.
     A freed scratch bucket (or a state the engine does not have) maps to {}.
     """
 
-    def __init__(self, entries: dict[str, dict[str, int]], disk_directory: str | None, pinned_bytes: int) -> None:
+    def __init__(
+        self, entries: dict[str, dict[str, int]], homes: dict[str, dict[str, int]], disk_directory: str | None,
+        pinned_bytes: int,
+    ) -> None:
         super().__init__(entries)
+        self.homes = homes
         self.disk_directory = disk_directory
         self.pinned_bytes = pinned_bytes
 
@@ -20,20 +26,21 @@ class StateReport(dict):
         return sum(places.get(where, 0) for places in self.values())
 
     def __str__(self) -> str:
-        rows = [("state", "where", "bytes", "MiB")]
+        rows = [("state", "home", "now", "bytes", "MiB")]
         for state, places in self.items():
+            home = ",".join(self.homes.get(state, {})) or "-"
             if not places:
-                rows.append((state, "(freed)" if state == "contiguous_grad_buffer" else "(none)", "0", "0.0"))
+                rows.append((state, home, "(freed)" if state == "contiguous_grad_buffer" else "(none)", "0", "0.0"))
             for where, nbytes in places.items():
-                rows.append((state, where, str(nbytes), f"{nbytes / 2**20:.1f}"))
+                rows.append((state, home, where, str(nbytes), f"{nbytes / 2**20:.1f}"))
         places = sorted({where for p in self.values() for where in p})
         for where in places:
             total = self.bytes_on(where)
-            rows.append(("total", where, str(total), f"{total / 2**20:.1f}"))
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            rows.append(("total", "", where, str(total), f"{total / 2**20:.1f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
         lines = []
         for index, row in enumerate(rows):
-            cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]), row[3].rjust(widths[3])]
+            cells = [row[i].ljust(widths[i]) for i in range(3)] + [row[i].rjust(widths[i]) for i in (3, 4)]
             lines.append("  ".join(cells))
             if index == 0:
                 lines.append("  ".join("-" * w for w in widths))

@@ -12,18 +12,35 @@ a `meta` tensor of the same shape (memory holds none of it) and reading raises
 While a copy into the buffer is in flight (a non-blocking reload), the buffer
 carries a completion callback that the first reader runs, so a read before
 an explicit sync waits for the data instead of seeing garbage.
+
+[Note: buffer homes]
+A buffer has a home, where its tier keeps it between uses: the device, host
+memory ("cpu"), or a file ("nvme", ZeRO-Infinity). A buffer whose home is a
+file has no tensor at all: its `store` reads and writes ranges of the file,
+and whoever needs the data in memory (the optimizer's sub-group windows, a
+unit's shard before its all-gather) reads a range. `Slot.read`/`Slot.write`
+work wherever the data is; `Slot.view` only where it is in memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
 class StateOffloadedError(RuntimeError):
     """A state was used while it is offloaded (call `engine.reload_states()` first)."""
+
+
+class BackingStore(Protocol):
+    """A file that holds a buffer whose home is disk (supplied by zero3.offload). Offsets in elements."""
+
+    def read(self, offset: int, into: torch.Tensor) -> None: ...
+
+    def write(self, offset: int, source: torch.Tensor) -> None: ...
 
 
 class FlatBuffer:
@@ -38,6 +55,9 @@ class FlatBuffer:
         self._tensor = tensor
         self._complete: Callable[[], None] | None = None
         self._released_because = ""
+        # Where the tier keeps it (see [Note: buffer homes]); a file's store when that is disk.
+        self.home = str(tensor.device)
+        self.store: BackingStore | None = None
 
     @classmethod
     def zeros(
@@ -72,6 +92,27 @@ class FlatBuffer:
         self._tensor = torch.empty(self._tensor.shape, dtype=self._tensor.dtype, device="meta")
         self._complete = None
         self._released_because = because
+
+    def keep_in(self, store: BackingStore, because: str) -> None:
+        """Make a file the buffer's home: memory holds none of it from now on (the caller wrote it there)."""
+        self.release(because)
+        self.store = store
+        self.home = "nvme"
+
+    def read_range(self, offset: int, numel: int) -> torch.Tensor:
+        """Elements [offset, offset+numel): a view when in memory, a fresh host copy when on its file."""
+        if self.store is not None and self._tensor.is_meta:
+            into = torch.empty(numel, dtype=self.dtype)
+            self.store.read(offset, into)
+            return into
+        return self.view(offset, numel)
+
+    def write_range(self, offset: int, values: torch.Tensor) -> None:
+        """Store `values` (cast to the buffer's dtype) at [offset, offset+numel), in memory or on its file."""
+        if self.store is not None and self._tensor.is_meta:
+            self.store.write(offset, values.detach().to("cpu", self.dtype).contiguous())
+            return
+        self.view(offset, values.numel()).copy_(values.reshape(-1))
 
     def wait(self) -> None:
         """Run the pending completion, if any (it may raise; it runs only once)."""
@@ -114,3 +155,10 @@ class Slot:
 
     def view(self) -> torch.Tensor:
         return self.buffer.view(self.offset, self.numel)
+
+    def read(self) -> torch.Tensor:
+        """The values wherever they live (a view in memory, a copy from disk)."""
+        return self.buffer.read_range(self.offset, self.numel)
+
+    def write(self, values: torch.Tensor) -> None:
+        self.buffer.write_range(self.offset, values)

@@ -90,12 +90,14 @@ def build_units(
     return units, module_units, persistent_unit
 
 
-def consolidate_lp(units: list[GatherUnit], dtype: torch.dtype, device: torch.device) -> FlatBuffer:
-    """Move every unit's shards into ONE flat 16-bit buffer (the `lp_params` state)."""
-    flat = FlatBuffer.zeros("lp_params", sum(unit.shard_numel for unit in units), dtype, device)
+def consolidate_lp(
+    units: list[GatherUnit], dtype: torch.dtype, device: torch.device, name: str = "lp_params"
+) -> FlatBuffer:
+    """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state)."""
+    flat = FlatBuffer.zeros(name, sum(unit.shard_numel for unit in units), dtype, device, state="lp_params")
     cursor = 0
     for unit in units:
-        shards = [sp.lp_shard() for sp in unit.params]
+        shards = [sp.lp_slot.read() for sp in unit.params]  # type: ignore[union-attr]
         unit.assign_lp(flat, cursor)
         torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
         cursor += unit.shard_numel

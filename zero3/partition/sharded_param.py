@@ -88,9 +88,10 @@ class ShardedParam:
     def write_full(self, full: torch.Tensor) -> None:
         """Store a new full value: this rank's shard goes to the 16-bit slot and the master."""
         shard = self.shard_of(full.detach())
-        self.lp_shard().copy_(shard)
+        assert self.lp_slot is not None
+        self.lp_slot.write(shard)
         if self.hp_slot is not None:
-            self.hp_slot.view().copy_(shard)
+            self.hp_slot.write(shard)
         elif self.hp_seed is not None:
             self.hp_seed.copy_(shard)
 

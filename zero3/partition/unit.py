@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,13 @@ class UnitState(Enum):
     SHARDED = ParamStatus.NOT_AVAILABLE
     INFLIGHT = ParamStatus.INFLIGHT
     UNSHARDED = ParamStatus.AVAILABLE
+
+
+class ShardSource(Protocol):
+    """Brings a unit's shard to its device for an all-gather when the shard's home is elsewhere
+    (host memory beside a GPU, or disk): zero3.offload's parameter tier."""
+
+    def acquire(self, unit: "GatherUnit") -> torch.Tensor: ...
 
 
 class GatherUnit:
@@ -55,6 +63,9 @@ class GatherUnit:
         # How a runtime brings the unit in while it drives the gathers (its lockstep
         # walk); None: gather directly. Used by `fetch`.
         self.fetcher: Callable[["GatherUnit"], None] | None = None
+        # Where the shard comes from when it does not live on the device (None: the lp slot's view).
+        self.source: ShardSource | None = None
+        self._gather_input: torch.Tensor | None = None  # kept alive until the gather completes
         for sp in params:
             sp.unit = self
 
@@ -96,10 +107,11 @@ class GatherUnit:
         """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED."""
         if self.state is not UnitState.SHARDED:
             return
-        assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
         world = self.comm.world_size
         output = torch.empty(world * self.shard_numel, dtype=self.dtype, device=self.device)
-        self._work = self.comm.all_gather_flat(output, self.lp_slot.view(), async_op=async_op)
+        shard = self.local_shard()
+        self._work = self.comm.all_gather_flat(output, shard, async_op=async_op)
+        self._gather_input = shard if self.source is not None else None
         self._gather_output = output
         self._set_state(UnitState.INFLIGHT)
         if not async_op:
@@ -112,6 +124,7 @@ class GatherUnit:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        self._gather_input = None
         output = self._gather_output
         assert output is not None
         self._gather_output = None
@@ -133,6 +146,13 @@ class GatherUnit:
             sp.set_full(self.unsharded[cursor : cursor + sp.numel].view(sp.shape))
             cursor += sp.padded_numel
         self._set_state(UnitState.UNSHARDED)
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard on the unit's device, ready to all-gather."""
+        if self.source is not None:
+            return self.source.acquire(self)
+        assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
+        return self.lp_slot.view()
 
     def unshard(self) -> None:
         self.start_unshard(async_op=False)

@@ -15,11 +15,14 @@ from zero3 import accelerator
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
+from zero3.offload.disk import DiskTier
+from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
+from zero3.offload.tiers import check_free_space, check_tiers, disk_needs, grad_device, lay_out_params, optimizer_states
 from zero3.partition import param_dict
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
-from zero3.partition.partitioner import Partitioner, build_units, consolidate_lp
+from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
@@ -60,13 +63,7 @@ class ZeroEngine:
         self.batch = config.resolve_batch(comm.world_size)
         self.compute_dtype = config.compute_dtype
         zc = config.zero_optimization
-        for key, tier in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
-            if tier.device != "none":
-                raise NotImplementedError(
-                    f"zero_optimization.{key}.device={tier.device!r}: training with states kept off the device "
-                    "(ZeRO-Offload / ZeRO-Infinity) is not implemented yet; use 'none', and park states "
-                    "between steps with engine.offload_states()"
-                )
+        check_tiers(config, device)
         if lr_scheduler is not None and (
             not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
         ):
@@ -83,16 +80,25 @@ class ZeroEngine:
         self.units, module_units, self.persistent_unit = build_units(
             model, comm, zc.stage3_param_persistence_threshold
         )
-        self.lp_params = consolidate_lp(self.all_units, self.compute_dtype, device)
         self.sharded_params = [sp for unit in self.all_units for sp in unit.params]
+        groups = self._optimizer_groups(model, model_parameters) if config.optimizer is not None else []
+
+        # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
+        self.disk = DiskTier(comm.rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
+        self.host_pool = HostBufferPool(device)
+        lp_bytes = sum(unit.shard_numel for unit in self.all_units) * self.compute_dtype.itemsize
+        check_free_space(disk_needs(config, lp_bytes, sum(sp.shard_numel for sps, _ in groups for sp in sps)))
+        layout = lay_out_params(config, self.all_units, self.compute_dtype, device, self.disk)
+        self.lp_buffers = layout.buffers
+        self.param_disk = layout.disk_tier
 
         self.loss_scaler = build_loss_scaler(config.fp16)
         self.optimizer: ZeroOptimizer | None = None
         if config.optimizer is not None:
-            groups = self._optimizer_groups(model, model_parameters)
             self.optimizer = ZeroOptimizer(
                 groups, config.optimizer, comm, device, config.grad_accum_dtype, zc.sub_group_size,
-                config.gradient_clipping, self.loss_scaler,
+                config.gradient_clipping, self.loss_scaler, optimizer_states(config, device, self.disk, self.host_pool),
+                grad_device(config, device),
             )
         for sp in self.sharded_params:
             sp.hp_seed = None  # frozen parameters keep no master
@@ -106,7 +112,8 @@ class ZeroEngine:
             self.persistent_unit,
         )
         self.offloader = StateOffloader(
-            device, comm.rank, self._state_buffers, self.reducer, zc.offload_param.nvme_path
+            device, self.disk, self.host_pool, self._state_buffers, self.reducer,
+            zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
         )
         self.coordinator.install()
         self._grad_hook_handles = self._install_grad_hooks()
@@ -225,6 +232,10 @@ class ZeroEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
         self._require_resident("forward", FORWARD_NEEDS)
+        if self.optimizer is not None and self.optimizer.lp_stale:
+            # A step failed on disk after writing some 16-bit shards: they are rewritten from the masters.
+            self.optimizer.repair_lp()
+            self._refresh_gathered()
         if self.compute_dtype != torch.float32:
             # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
             def cast(value: Any) -> Any:
@@ -300,8 +311,8 @@ class ZeroEngine:
         if boundary:
             self._require_resident("step", STEP_NEEDS)
         self._finish_backward()  # a plain loss.backward() left its pass open
-        self.micro_steps += 1
         if not boundary:
+            self.micro_steps += 1
             return
         with self.timers.phase("step"):
             self.coordinator.release_all()
@@ -314,9 +325,14 @@ class ZeroEngine:
             else:
                 self.skipped_steps += 1
                 log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
+        # Counted once the step has landed: a step that raised (a failing disk) can be retried.
+        self.micro_steps += 1
         self.global_steps += 1
         if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             self._print_progress()
+        if self.optimizer.lp_write_error is not None:
+            error, self.optimizer.lp_write_error = self.optimizer.lp_write_error, None
+            raise error
 
     def _print_progress(self) -> None:
         """steps_per_print: DeepSpeed's progress line (and wall_clock_breakdown's times)."""
@@ -402,7 +418,7 @@ class ZeroEngine:
 
     def _state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
         if state is OffloadStateType.lp_params:
-            return [self.lp_params]
+            return list(self.lp_buffers)
         if self.optimizer is None:
             return []
         if state is OffloadStateType.hp_params:
@@ -443,7 +459,7 @@ class ZeroEngine:
     # ---- accounting -----------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by state (the 16P/N of ZeRO-3)."""
-        states = {"lp_params": self.lp_params.nbytes, "hp_params": 0, "lp_grads": 0, "optim_states": 0}
+        states = {"lp_params": sum(buffer.nbytes for buffer in self.lp_buffers), "hp_params": 0, "lp_grads": 0, "optim_states": 0}
         if self.optimizer is not None:
             states.update(self.optimizer.state_bytes())
         states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
@@ -482,14 +498,20 @@ class ZeroEngine:
             sp.optim_slots = {}
         self.reducer.close()
         self.reducer.scratch = None
-        self.lp_params.release("was freed: this zero3 engine was destroyed")
+        for buffer in self.lp_buffers:
+            buffer.release("was freed: this zero3 engine was destroyed")
+        if self.param_disk is not None:
+            self.param_disk.close()
         if self.optimizer is not None:
+            self.optimizer.states.close()
             self.optimizer.optimizer.state.clear()
             self.optimizer.optimizer.param_groups.clear()
             self.optimizer.sub_groups.clear()
             self.optimizer.params.clear()
             self.optimizer = None
         self.lr_scheduler = None
+        self.disk.close()
+        self.host_pool.clear()
         self.units = []
         self.persistent_unit = None
         self.sharded_params = []

@@ -153,7 +153,7 @@ class GatherWalk:
         self.trace: list[int] = []
         self._unclaimed: dict[GatherUnit, None] = {}  # gathered by the walk, not yet used (oldest first)
         self._unclaimed_numel = 0
-        self._throwaway: deque[tuple[dist.Work | None, torch.Tensor]] = deque()
+        self._throwaway: deque[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = deque()
         self._throwaway_numel = 0
         self._markers: list[tuple[torch.Tensor, dist.Work | None]] = []
         self._warned_live = False
@@ -251,10 +251,10 @@ class GatherWalk:
                 self._release_oldest()
         elif self.lockstep:
             # Gathered here already (in use): still part of the collective for the others.
-            assert unit.lp_slot is not None
             output = torch.empty(self.comm.world_size * unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            work = self.comm.all_gather_flat(output, unit.lp_slot.view(), async_op=True)
-            self._throwaway.append((work, output))
+            shard = unit.local_shard()
+            work = self.comm.all_gather_flat(output, shard, async_op=True)
+            self._throwaway.append((work, output, shard))
             self._throwaway_numel += output.numel()
             while self._throwaway_numel > self.prefetch_numel and self._throwaway:
                 self._drop_throwaway()
@@ -311,7 +311,7 @@ class GatherWalk:
             )
 
     def _drop_throwaway(self) -> None:
-        work, output = self._throwaway.popleft()
+        work, output, _ = self._throwaway.popleft()  # the input is dropped with it, once the gather is done
         if work is not None:
             work.wait()
         self._throwaway_numel -= output.numel()

@@ -259,8 +259,12 @@ class GradientReducer:
     def _land(self, reduction: _Reduction) -> None:
         if reduction.work is not None:
             reduction.work.wait()
-        sources = reduction.output.split([sp.shard_numel for sp in reduction.bucket.params])
         destinations = [sp.grad_slot.view() for sp in reduction.bucket.params]  # type: ignore[union-attr]
+        output = reduction.output
+        if destinations and destinations[0].device != output.device:
+            # ZeRO-Offload keeps the gradients in host memory: the reduced shard is copied there.
+            output = output.to(destinations[0].device)
+        sources = output.split([sp.shard_numel for sp in reduction.bucket.params])
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
         self._inflight.remove(reduction)
         if reduction.slot is not None:

@@ -4,19 +4,24 @@
 Trainable parameters are laid out in optimizer-group order in four flat
 buffers with one shared offset map: `hp_params` (fp32 master), `lp_grads`
 (16-bit reduced gradients), and `exp_avg` / `exp_avg_sq` (the
-`optim_states`). Torch's own Adam/AdamW (fused on CUDA, foreach on CPU) steps
-one master per parameter: a view of `hp_params`, whose moments are views of
-the moment buffers placed in the optimizer state before the first step. So
-every state is one flat buffer (one copy to move it), and a parameter that
-got no gradient this step is skipped exactly as torch skips it (no decay, no
-moment update, no step count). Groups are cut into sub-groups of at most
-`sub_group_size` elements at parameter boundaries; a sub-group's fp32
-gradients exist only while it steps.
+`optim_states`). The fp32 buffers belong to a tier (zero3.offload's
+optimizer tier): on the device, in host memory (ZeRO-Offload) or in files
+(ZeRO-Infinity); `lp_grads` stays in memory in every tier. Groups are cut
+into sub-groups of at most `sub_group_size` elements at parameter
+boundaries, and a step walks them: the tier hands each sub-group's window
+of master and moments to `_step_sub_group`, which makes the sub-group's
+fp32 gradients from `lp_grads` (they exist only while it steps), points
+torch's Adam/AdamW at the window (each master a view, its moments views, in
+the optimizer state) and steps it. So a parameter that got no gradient this
+step is skipped exactly as torch skips it (no decay, no moment update, no
+step count). The new 16-bit shards are written from the masters after the
+walk (or, for a disk tier, as each sub-group leaves its window).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +30,8 @@ from torch import nn
 
 from zero3.comm import Communicator
 from zero3.config import OptimizerConfig
+from zero3.offload.disk import StepIOError
+from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
@@ -53,6 +60,8 @@ class ZeroOptimizer:
         sub_group_size: int,
         gradient_clipping: float,
         loss_scaler: LossScaler | DynamicLossScaler,
+        make_states: Callable[[int, int], OptimizerStates],
+        grad_device: torch.device | None = None,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -60,35 +69,42 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler
         self.params = [sp for sps, _ in groups for sp in sps]
         total = sum(sp.shard_numel for sp in self.params)
-        self.hp_params = FlatBuffer.zeros("hp_params", total, torch.float32, device)
+        runs_by_group = [_split(sps, sub_group_size) for sps, _ in groups]
+        largest = max((sum(sp.shard_numel for sp in run) for runs in runs_by_group for run in runs), default=0)
+        # (total elements, the largest sub-group): the tier sizes its buffers or windows from them.
+        self.states = make_states(total, largest)
+        self.hp_params = self.states.buffers["hp_params"]
+        self.moments = {name: self.states.buffers[name] for name in MOMENTS}
         # The reduced gradients, accumulated across micro-steps in grad_accum_dtype (the
-        # state keeps DeepSpeed's name `lp_grads` whatever that dtype is).
-        self.lp_grads = FlatBuffer.zeros("lp_grads", total, grad_dtype, device)
-        self.moments = {
-            name: FlatBuffer.zeros(name, total, torch.float32, device, state="optim_states") for name in MOMENTS
-        }
+        # state keeps DeepSpeed's name `lp_grads` whatever that dtype is). Host memory with
+        # ZeRO-Offload (copied there as buckets land), else the device.
+        self.lp_grads = FlatBuffer.zeros("lp_grads", total, grad_dtype, grad_device or device)
+        # The 16-bit shards could not all be written after a step: rewritten from the masters first thing.
+        self.lp_stale = False
+        self.lp_write_error: StepIOError | None = None
 
         self.sub_groups: list[SubGroup] = []
         torch_groups: list[dict[str, Any]] = []
         cursor = 0
-        for sps, options in groups:
+        for (_, options), runs in zip(groups, runs_by_group):
             group_masters: list[nn.Parameter] = []
-            for run in _split(sps, sub_group_size):
+            for run in runs:
                 start = cursor
                 masters = []
                 for sp in run:
                     sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
                     sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
                     sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
-                    sp.hp_slot.view().copy_(sp.hp_seed if sp.hp_seed is not None else sp.lp_shard())
+                    assert sp.lp_slot is not None
+                    sp.hp_slot.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
                     sp.hp_seed = None
-                    masters.append(nn.Parameter(torch.empty(0, device=device)))
+                    masters.append(nn.Parameter(torch.empty(0, device=self.step_device)))
                     cursor += sp.shard_numel
                 self.sub_groups.append(SubGroup(start, cursor - start, run, masters))
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
-        fused = device.type == "cuda"
+        fused = self.step_device.type == "cuda"
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         p = config.params
         self.optimizer = cls(
@@ -98,30 +114,44 @@ class ZeroOptimizer:
         for sub in self.sub_groups:
             for master in sub.masters:
                 self.optimizer.state[master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=device if fused else "cpu")
+                    "step": torch.zeros((), dtype=torch.float32, device=self.step_device if fused else "cpu")
                 }
-        self.bind_views()
+        if not self.states.transactional:
+            self.bind_views()
+
+    @property
+    def step_device(self) -> torch.device:
+        """Where the step runs: where the tier keeps the masters (the host for a disk tier)."""
+        return torch.device("cpu") if self.hp_params.home == "nvme" else torch.device(self.hp_params.home)
 
     # [Note: master views]
     # Torch's optimizer holds tensors, not slots: each master is a view of
-    # `hp_params` and its moments are views of the moment buffers. Those views
-    # would pin the old storage when a state is offloaded, so `unbind_views`
-    # drops them (the offload tier calls it before moving `hp_params` or
-    # `optim_states`) and `step` binds them again from the current buffers.
+    # the sub-group's window of `hp_params` and its moments are views of the
+    # moment windows. Those views would pin the old storage when a state is
+    # offloaded, so `unbind_views` drops them (the offload tier calls it
+    # before moving `hp_params` or `optim_states`, and a disk tier's walk
+    # after every step: its windows are reused) and each step binds them
+    # again from the windows it is handed.
     def bind_views(self) -> None:
         for sub in self.sub_groups:
-            for sp, master in zip(sub.params, sub.masters):
-                assert sp.hp_slot is not None
-                master.data = sp.hp_slot.view()
-                self.optimizer.state[master].update({name: slot.view() for name, slot in sp.optim_slots.items()})
+            self._bind(sub, {name: buffer.view(sub.offset, sub.numel) for name, buffer in self.states.buffers.items()})
+
+    def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
+        cursor = 0
+        for sp, master in zip(sub.params, sub.masters):
+            master.data = window["hp_params"][cursor : cursor + sp.shard_numel]
+            state = self.optimizer.state[master]
+            for name in MOMENTS:
+                state[name] = window[name][cursor : cursor + sp.shard_numel]
+            cursor += sp.shard_numel
 
     def unbind_views(self) -> None:
         for sub in self.sub_groups:
             for master in sub.masters:
-                master.data = torch.empty(0, device=self.device)
+                master.data = torch.empty(0, device=self.step_device)
                 state = self.optimizer.state[master]
                 for name in MOMENTS:
-                    state[name] = torch.empty(0, device=self.device)
+                    state[name] = torch.empty(0, device=self.step_device)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -152,7 +182,14 @@ class ZeroOptimizer:
 
     # ---- step ------------------------------------------------------------------
     def step(self) -> tuple[bool, float]:
-        """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow."""
+        """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow.
+
+        If the tier's disk fails mid-step, raises OffloadIOError. A disk tier
+        then still holds the state as before the step (see
+        zero3.offload.optimizer_tier's Note) and the step counts are restored;
+        the gradients are kept, so the step can be retried.
+        """
+        self.repair_lp()
         scale = self.loss_scaler.loss_scale
         norm = self.agree_on_gradients()
         overflow = not math.isfinite(norm)
@@ -160,30 +197,86 @@ class ZeroOptimizer:
         if overflow:
             self.zero_grad()
             return False, norm
-        self.bind_views()
         norm /= scale
         coefficient = 1.0 / scale
         if self.gradient_clipping > 0:
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        for sub in self.sub_groups:
-            if not any(sp.has_grad for sp in sub.params):
-                continue
-            grad = self.lp_grads.view(sub.offset, sub.numel).to(torch.float32, copy=True)
-            if coefficient != 1.0:
-                grad.mul_(coefficient)
-            cursor = 0
-            for sp, master in zip(sub.params, sub.masters):
-                master.grad = grad[cursor : cursor + sp.shard_numel] if sp.has_grad else None
-                cursor += sp.shard_numel
-            self.optimizer.step()
-            for master in sub.masters:
-                master.grad = None
-        lp = [sp.lp_shard() for sp in self.params]
-        hp = [sp.hp_slot.view() for sp in self.params]  # type: ignore[union-attr]
-        if lp:
-            torch._foreach_copy_(lp, hp)
+        idle = {i for i, sub in enumerate(self.sub_groups) if not any(sp.has_grad for sp in sub.params)}
+        counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
+        streamed = self.states.transactional
+
+        def visit(index: int, window: dict[str, torch.Tensor]) -> None:
+            self._step_sub_group(self.sub_groups[index], window, coefficient)
+            if streamed:
+                self._write_lp(self.sub_groups[index], window["hp_params"])
+
+        try:
+            self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle)
+        except BaseException:
+            masters = [m for sub in self.sub_groups for m in sub.masters]
+            for master, count in zip(masters, counts):
+                self.optimizer.state[master]["step"] = count
+            if streamed:
+                # Some shards were written from masters that did not land: back to the old masters'
+                # values now, or (the disk still failing) before the next use.
+                self.lp_stale = True
+                try:
+                    self.repair_lp()
+                except OSError:
+                    pass
+            raise
+        finally:
+            if streamed:
+                self.unbind_views()  # the windows are reused: no view of them may outlive the walk
+        self.lp_write_error = None
+        if not streamed:
+            try:
+                for index, sub in enumerate(self.sub_groups):
+                    if index not in idle:
+                        self._write_lp(sub, self.hp_params.view(sub.offset, sub.numel))
+            except OSError as error:
+                # The step landed; the shards are rewritten from it before the next use, and the
+                # engine reports the failure once its own bookkeeping of the step is done.
+                self.lp_stale = True
+                self.lp_write_error = StepIOError(
+                    f"the optimizer step was applied, but writing the new 16-bit parameters to disk failed: "
+                    f"{error}. Nothing is lost: they are rewritten from the fp32 masters before the next "
+                    "forward. Do not repeat the step.",
+                    step_applied=True,
+                )
         self.zero_grad()
         return True, norm
+
+    def _step_sub_group(self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: float) -> None:
+        hp = window["hp_params"]
+        # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored).
+        grad = self.lp_grads.view(sub.offset, sub.numel).to(device=hp.device, dtype=torch.float32, copy=True)
+        if coefficient != 1.0:
+            grad.mul_(coefficient)
+        self._bind(sub, window)
+        cursor = 0
+        for sp, master in zip(sub.params, sub.masters):
+            master.grad = grad[cursor : cursor + sp.shard_numel] if sp.has_grad else None
+            cursor += sp.shard_numel
+        self.optimizer.step()
+        for master in sub.masters:
+            master.grad = None
+
+    def _write_lp(self, sub: SubGroup, hp: torch.Tensor) -> None:
+        """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live."""
+        cursor = 0
+        for sp in sub.params:
+            assert sp.lp_slot is not None
+            sp.lp_slot.write(hp[cursor : cursor + sp.shard_numel])
+            cursor += sp.shard_numel
+
+    def repair_lp(self) -> None:
+        """After a step whose 16-bit shards were not all written: write them again from the masters."""
+        if not self.lp_stale:
+            return
+        for sub in self.sub_groups:
+            self._write_lp(sub, self.hp_params.read_range(sub.offset, sub.numel))
+        self.lp_stale = False
 
     def state_bytes(self) -> dict[str, int]:
         return {

@@ -1,0 +1,221 @@
+"""Where the optimizer's fp32 state lives between steps: device, host memory, or disk (ZeRO-Infinity).
+
+The optimizer never touches these buffers directly during a step: it asks
+its tier to `walk` the sub-groups, and the tier hands each sub-group's
+window (the fp32 master and the two moments, as 1-D tensors) to a visitor
+that steps it. A memory tier hands out views of its flat buffers; the disk
+tier streams windows through host memory.
+
+[Note: the disk walk]
+Each state has two files, generations A and B. A step reads every
+sub-group's window from the current generation and writes it, stepped, to
+the other: `buffer_count` windows rotate, so while sub-group i steps, the
+reads of i+1, i+2, ... are in flight ahead of it and the writes of i-1, ...
+finish behind it, each split into `aio.block_size` requests on the shared
+I/O threads. Only when every write has landed does the other generation
+become current. A disk that fails mid-step therefore loses nothing: the
+step raises, and the current generation still holds the state as it was
+before the step (the 16-bit gradients stay in memory and are never written:
+each sub-group's fp32 gradient is made from them just before it steps). The
+price is twice the optimizer state's bytes on disk, reserved up front.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from zero3.offload.disk import DiskFile, DiskTier, StepIOError, Transfer
+from zero3.offload.host import HostBufferPool
+from zero3.partition.flat_buffer import FlatBuffer
+
+STATE_NAMES = ("hp_params", "exp_avg", "exp_avg_sq")
+FP32_BYTES = 4
+
+# (sub-group index, its window: state name -> 1-D fp32 tensor)
+Visitor = Callable[[int, dict[str, torch.Tensor]], None]
+
+
+class OptimizerStates(Protocol):
+    """The optimizer's fp32 state, wherever its tier keeps it."""
+
+    buffers: dict[str, FlatBuffer]
+    # Whether a failed walk leaves the state as it was (the disk tier's two generations).
+    transactional: bool
+
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _state_of(name: str) -> str:
+    return "hp_params" if name == "hp_params" else "optim_states"
+
+
+class MemoryOptimizerStates:
+    """The state in memory: on the device (no offload) or on the host (ZeRO-Offload)."""
+
+    transactional = False
+
+    def __init__(self, numel: int, device: torch.device, pin: bool) -> None:
+        self.buffers = {
+            name: FlatBuffer(
+                name, torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin), state=_state_of(name)
+            )
+            for name in STATE_NAMES
+        }
+
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
+        for index, (offset, numel) in enumerate(ranges):
+            if index not in skip:
+                visit(index, {name: buffer.view(offset, numel) for name, buffer in self.buffers.items()})
+
+    def close(self) -> None:
+        pass
+
+
+class _GenerationFile:
+    """A state buffer's backing store: the current generation's file (element offsets, fp32)."""
+
+    def __init__(self, owner: "DiskOptimizerStates", name: str) -> None:
+        self.owner = owner
+        self.name = name
+
+    def read(self, offset: int, into: torch.Tensor) -> None:
+        self.owner.disk.read_now(self.owner.current_file(self.name), into, offset * FP32_BYTES)
+
+    def write(self, offset: int, source: torch.Tensor) -> None:
+        self.owner.disk.write_now(self.owner.current_file(self.name), source, offset * FP32_BYTES)
+
+
+@dataclass
+class _Window:
+    key: int
+    tensors: dict[str, torch.Tensor]
+    transfer: Transfer | None = None  # the read into it, or the write out of it, in flight
+
+
+class DiskOptimizerStates:
+    """The state in files under `nvme_path`, streamed through `buffer_count` host windows (see the Note)."""
+
+    transactional = True
+
+    def __init__(
+        self, numel: int, disk: DiskTier, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
+    ) -> None:
+        self.disk = disk
+        self.pool = pool
+        self.buffer_count = buffer_count
+        self.window_numel = window_numel
+        names = {f"{name}.{generation}": numel * FP32_BYTES for generation in "AB" for name in STATE_NAMES}
+        # Both generations reserved at once: too little space fails here, before anything is written.
+        self.files = disk.reserve(root, names, purpose="keep the optimizer state (offload_optimizer)")
+        self.generation = "A"
+        self.buffers: dict[str, FlatBuffer] = {}
+        for name in STATE_NAMES:
+            buffer = FlatBuffer(name, torch.empty(numel, dtype=torch.float32, device="meta"), state=_state_of(name))
+            buffer.keep_in(_GenerationFile(self, name), "lives on disk (zero_optimization.offload_optimizer)")
+            self.buffers[name] = buffer
+
+    def current_file(self, name: str) -> DiskFile:
+        return self.files[f"{name}.{self.generation}"]
+
+    def _other(self) -> str:
+        return "B" if self.generation == "A" else "A"
+
+    def _window(self, key: int) -> _Window:
+        return _Window(key, {
+            name: self.pool.get(f"optim-window:{key}:{name}", self.window_numel, torch.float32, pin=False)
+            for name in STATE_NAMES
+        })
+
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
+        """Every sub-group goes through (a skipped one is copied unchanged: the other generation needs it)."""
+        source, target = self.generation, self._other()
+        free = deque(self._window(key) for key in range(min(self.buffer_count, max(len(ranges), 1))))
+        reading: dict[int, _Window] = {}
+        writing: deque[_Window] = deque()
+        failures: list[BaseException] = []
+        next_read = 0
+
+        def issue_reads() -> None:
+            nonlocal next_read
+            while free and next_read < len(ranges):
+                window = free.popleft()
+                offset, numel = ranges[next_read]
+                futures = [
+                    future for name in STATE_NAMES
+                    for future in self.disk.read(
+                        self.files[f"{name}.{source}"], window.tensors[name][:numel], offset * FP32_BYTES
+                    )
+                ]
+                window.transfer = Transfer(lambda error: None).track(futures)
+                reading[next_read] = window
+                next_read += 1
+
+        def reclaim(block: bool) -> None:
+            """Give back the windows whose writes have landed (with `block`, wait for the oldest first)."""
+            while writing:
+                transfer = writing[0].transfer
+                assert transfer is not None
+                if not block and not transfer.done:
+                    return
+                window = writing.popleft()
+                error = transfer.wait()
+                if error is not None:
+                    failures.append(error)
+                window.transfer = None
+                free.append(window)
+                block = False
+
+        try:
+            for index, (offset, numel) in enumerate(ranges):
+                reclaim(block=False)
+                issue_reads()
+                while index not in reading:
+                    reclaim(block=True)  # every window is writing: wait for the oldest
+                    issue_reads()
+                window = reading.pop(index)
+                assert window.transfer is not None
+                error = window.transfer.wait()
+                window.transfer = None
+                if error is not None:
+                    failures.append(error)
+                if failures:
+                    raise failures[0]
+                views = {name: tensor[:numel] for name, tensor in window.tensors.items()}
+                if index not in skip:
+                    visit(index, views)
+                futures = [
+                    future for name in STATE_NAMES
+                    for future in self.disk.write(self.files[f"{name}.{target}"], views[name], offset * FP32_BYTES)
+                ]
+                window.transfer = Transfer(lambda error: None).track(futures)
+                writing.append(window)
+            while writing:
+                reclaim(block=True)
+            if failures:
+                raise failures[0]
+        except BaseException as error:
+            for window in list(reading.values()) + list(writing):
+                if window.transfer is not None:
+                    window.transfer.wait()  # nothing may still fill or drain a window we give back
+            if not isinstance(error, OSError):
+                raise
+            raise StepIOError(
+                f"the optimizer step failed on disk under {self.disk.directory}: {error}. It was not applied: "
+                f"the optimizer state on disk is as it was before the step (generation {source}) and the "
+                "gradients are kept; call engine.step() again once the disk is healthy.",
+                step_applied=False,
+            ) from error
+        self.generation = target
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.remove()
+        self.pool.drop("optim-window:")

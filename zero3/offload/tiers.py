@@ -1,0 +1,165 @@
+"""The offload tiers from the config (ZeRO-Offload / ZeRO-Infinity): checked, then built.
+
+`offload_optimizer.device` puts the fp32 masters and moments on the host
+("cpu") or in files ("nvme"); `offload_param.device` puts the 16-bit shards
+there. Everything a tier does with the disk goes through the one DiskTier and
+the one HostBufferPool that parking (`offload_states`) uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from zero3 import accelerator
+from zero3.config import Zero3Config
+from zero3.offload.disk import DiskTier
+from zero3.offload.host import HostBufferPool
+from zero3.offload.optimizer_tier import STATE_NAMES, DiskOptimizerStates, MemoryOptimizerStates, OptimizerStates
+from zero3.offload.param_tier import DiskShardTier, HostShardSource, split_units
+from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.partitioner import consolidate_lp
+from zero3.partition.unit import GatherUnit
+
+log = logging.getLogger("zero3")
+
+
+class TierConfigError(ValueError):
+    """An offload tier the config asks for cannot work here; the message names the key."""
+
+
+def check_tiers(config: Zero3Config, device: torch.device) -> None:
+    """Bad tier settings fail here, before anything is built: the paths, pin_memory, ratio."""
+    zc = config.zero_optimization
+    for key, tier in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
+        if tier.device == "none":
+            continue
+        if tier.pin_memory and not accelerator.supports_pinned_memory(device):
+            log.warning(
+                "zero_optimization.%s.pin_memory=true has no effect: pinned memory needs a CUDA device "
+                "(this engine runs on %s)", key, device,
+            )
+        if tier.device == "nvme":
+            assert tier.nvme_path is not None  # the config requires it
+            check_writable_directory(f"zero_optimization.{key}.nvme_path", tier.nvme_path)
+    ratio = zc.offload_optimizer.ratio
+    if zc.offload_optimizer.device != "none" and ratio < 1 and device.type != "cpu":
+        raise TierConfigError(
+            f"zero_optimization.offload_optimizer.ratio={ratio}: partial optimizer offload is not supported yet "
+            "on a GPU; use 1.0 (the whole optimizer state on the host)"
+        )
+
+
+def check_writable_directory(key: str, path: str) -> None:
+    where = Path(path)
+    if not where.exists():
+        raise TierConfigError(f"{key}={path!r}: the directory does not exist (create it first)")
+    if not where.is_dir():
+        raise TierConfigError(f"{key}={path!r}: not a directory")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".zero3-probe-", dir=where)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise TierConfigError(f"{key}={path!r}: the directory is not writable ({error.strerror or error})") from None
+
+
+def check_free_space(needs: dict[str, tuple[str, int]]) -> None:
+    """`needs`: key -> (path, bytes). Paths on one filesystem add up; fails before any file is written."""
+    by_device: dict[int, list[tuple[str, str, int]]] = {}
+    for key, (path, nbytes) in needs.items():
+        by_device.setdefault(os.stat(path).st_dev, []).append((key, path, nbytes))
+    for entries in by_device.values():
+        needed = sum(nbytes for _, _, nbytes in entries)
+        free = shutil.disk_usage(entries[0][1]).free
+        if needed > free:
+            keys = ", ".join(f"{key}={path!r} ({nbytes / 2**30:.2f} GiB)" for key, path, nbytes in entries)
+            raise TierConfigError(
+                f"too little free disk space for the offloaded states: {keys} need {needed / 2**30:.2f} GiB "
+                f"and {free / 2**30:.2f} GiB are free. Nothing was written."
+            )
+
+
+@dataclass
+class ParamLayout:
+    """The 16-bit shards' buffers (the `lp_params` state) and, with params on disk, the disk tier."""
+
+    buffers: list[FlatBuffer]
+    disk_tier: DiskShardTier | None
+
+
+def lay_out_params(
+    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, device: torch.device, disk: DiskTier,
+) -> ParamLayout:
+    tier = config.zero_optimization.offload_param
+    if tier.device == "none":
+        return ParamLayout([consolidate_lp(units, dtype, device)], None)
+    host = torch.device("cpu")
+    if tier.device == "cpu":
+        in_memory, on_disk = units, []
+    else:
+        in_memory, on_disk = split_units(units, tier.max_in_cpu)
+    buffers = [consolidate_lp(in_memory, dtype, host)] if in_memory else []
+    if tier.pin_memory and accelerator.supports_pinned_memory(device) and buffers:
+        buffers[0].replace(buffers[0].tensor.pin_memory())
+    disk_tier = None
+    if on_disk:
+        assert tier.nvme_path is not None
+        disk_part = consolidate_lp(on_disk, dtype, host, name="lp_params:nvme")
+        disk_tier = DiskShardTier(
+            disk, Path(tier.nvme_path), disk_part.numel, dtype, device, read_ahead=tier.buffer_count
+        )
+        disk_tier.adopt(disk_part)
+        buffers.append(disk_part)
+        for unit in on_disk:
+            unit.source = disk_tier
+    if device.type != "cpu":
+        source = HostShardSource(device)
+        for unit in in_memory:
+            unit.source = source
+    return ParamLayout(buffers, disk_tier)
+
+
+def optimizer_states(
+    config: Zero3Config, device: torch.device, disk: DiskTier, pool: HostBufferPool,
+) -> Callable[[int, int], OptimizerStates]:
+    """How the optimizer makes its fp32 states, given (total elements, largest sub-group)."""
+    tier = config.zero_optimization.offload_optimizer
+
+    def make(numel: int, largest_sub_group: int) -> OptimizerStates:
+        if tier.device == "nvme":
+            assert tier.nvme_path is not None
+            return DiskOptimizerStates(numel, disk, pool, Path(tier.nvme_path), tier.buffer_count, largest_sub_group)
+        if tier.device == "cpu":
+            pin = tier.pin_memory and accelerator.supports_pinned_memory(device)
+            return MemoryOptimizerStates(numel, torch.device("cpu"), pin)
+        return MemoryOptimizerStates(numel, device, pin=False)
+
+    return make
+
+
+def grad_device(config: Zero3Config, device: torch.device) -> torch.device:
+    """ZeRO-Offload keeps the reduced gradients beside the masters, on the host; else they stay on the device."""
+    return torch.device("cpu") if config.zero_optimization.offload_optimizer.device == "cpu" else device
+
+
+def disk_needs(config: Zero3Config, lp_bytes: int, trainable_numel: int) -> dict[str, tuple[str, int]]:
+    """Bytes each disk tier will reserve (the optimizer's two generations included)."""
+    zc = config.zero_optimization
+    needs: dict[str, tuple[str, int]] = {}
+    if zc.offload_param.device == "nvme":
+        assert zc.offload_param.nvme_path is not None
+        needs["zero_optimization.offload_param.nvme_path"] = (zc.offload_param.nvme_path, lp_bytes)
+    if zc.offload_optimizer.device == "nvme":
+        assert zc.offload_optimizer.nvme_path is not None
+        needs["zero_optimization.offload_optimizer.nvme_path"] = (
+            zc.offload_optimizer.nvme_path, 2 * len(STATE_NAMES) * 4 * trainable_numel,
+        )
+    return needs
