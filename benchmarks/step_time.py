@@ -77,13 +77,17 @@ class Job:
     seed: int
     profile: bool = False
     profile_out: str = ""
+    offload_optimizer: str = "none"
 
 
-def ds_config(micro_batch: int, persistence_threshold: int | None) -> dict[str, Any]:
+def ds_config(micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none") -> dict[str, Any]:
     """The DeepSpeed-style config used by zero3 (and by DeepSpeed, if present)."""
     zero: dict[str, Any] = {"stage": 3}
     if persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = persistence_threshold
+    if offload_optimizer != "none":
+        # ZeRO-Offload: fp32 masters and moments on the host, the step there (DeepSpeedCPUAdam in DeepSpeed).
+        zero["offload_optimizer"] = {"device": offload_optimizer}
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -129,7 +133,7 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
-    cfg = ds_config(job.micro_batch, threshold)
+    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer)
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg):
         model = GPT(job.model)
@@ -185,7 +189,7 @@ def _build_fsdp2(job: Job):
 def _build_deepspeed(job: Job):
     import deepspeed  # noqa: F401  (only reached when importable)
 
-    cfg = ds_config(job.micro_batch, None)
+    cfg = ds_config(job.micro_batch, None, job.offload_optimizer)
     torch.manual_seed(job.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)
@@ -410,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
+                   help="ZeRO-Offload for zero3 and DeepSpeed (fsdp2 has no optimizer offload: it is skipped)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
@@ -452,11 +458,15 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "zero3_config": ds_config(args.micro_batch, None),
+            "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer),
         },
         "engines": {},
     }
     for name in engines:
+        if name == "fsdp2" and args.offload_optimizer != "none":
+            console.print("fsdp2: no optimizer offload (its CPUOffloadPolicy moves parameters too); skipped")
+            results["engines"][name] = {"error": "no optimizer-only offload"}
+            continue
         if name == "deepspeed":
             try:
                 import deepspeed  # noqa: F401
@@ -467,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
                   warmup=args.warmup, seed=args.seed,
-                  profile=args.profile and name == "zero3", profile_out=profile_path)
+                  profile=args.profile and name == "zero3", profile_out=profile_path,
+                  offload_optimizer=args.offload_optimizer)
         console.print(f"running {name} ...")
         t0 = time.perf_counter()
         try:

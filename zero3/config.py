@@ -437,7 +437,7 @@ class Zero3Config(_Model):
                      "zero3's disk I/O keeps aio.queue_depth requests in flight on aio.thread_count threads")
         if self.optimizer is not None and "torch_adam" in self.optimizer.params.model_fields_set:
             note("optimizer.params.torch_adam", self.optimizer.params.torch_adam,
-                 "zero3 always steps torch's own Adam/AdamW (fused on CUDA)")
+                 "zero3 always steps torch's own fused Adam/AdamW kernel (on the host too)")
         if "gradient_predivide_factor" in self.model_fields_set and self.prescale_gradients:
             note("gradient_predivide_factor", self.gradient_predivide_factor,
                  "prescale_gradients is true, which divides by the world size before the sum")

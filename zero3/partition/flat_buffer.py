@@ -112,7 +112,10 @@ class FlatBuffer:
         if self.store is not None and self._tensor.is_meta:
             self.store.write(offset, values.detach().to("cpu", self.dtype).contiguous())
             return
-        self.view(offset, values.numel()).copy_(values.reshape(-1))
+        target = self.view(offset, values.numel())
+        # Host to device runs behind the compute stream's later work (safe to overlap); the reverse
+        # must land before the host reads it, so it stays blocking.
+        target.copy_(values.reshape(-1), non_blocking=target.device.type == "cuda" and values.device.type == "cpu")
 
     def wait(self) -> None:
         """Run the pending completion, if any (it may raise; it runs only once)."""

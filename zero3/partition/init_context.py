@@ -228,9 +228,10 @@ class Init:
 
     def gather_fp32(self, sp: ShardedParam) -> torch.Tensor:
         """The full fp32 value of a partitioned parameter (collective)."""
-        assert self.comm is not None and sp.hp_seed is not None
+        assert self.comm is not None and sp.lp_slot is not None
+        seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()  # fp32: the shard is exact
         out = torch.empty(sp.padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather_flat(out, sp.hp_seed)
+        self.comm.all_gather_flat(out, seed)
         return out[: sp.numel].view(sp.shape).clone()
 
     def __enter__(self) -> "Init":

@@ -39,8 +39,10 @@ class Partitioner:
         buffer = FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device)
         unit.assign_lp(buffer, 0)
         for sp, full in zip(sps, values):
-            sp.hp_seed = sp.shard_of(full).float()
-            sp.lp_shard().copy_(sp.hp_seed)
+            seed = sp.shard_of(full).float()
+            sp.lp_shard().copy_(seed)
+            # The fp32 master starts from the exact init; an fp32 shard already is it (no second copy).
+            sp.hp_seed = seed if self.dtype != torch.float32 else None
             sp.set_released()
         return unit
 

@@ -104,20 +104,21 @@ class ZeroOptimizer:
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
-        fused = self.step_device.type == "cuda"
+        # Torch's fused kernel on either device: on the host it is 4.7x faster than foreach at 1e7-1e8
+        # elements and at least as fast as DeepSpeedCPUAdam (benchmarks/host_adam.py).
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         p = config.params
         self.optimizer = cls(
-            torch_groups, lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
-            fused=fused or None, foreach=None if fused else True,
+            torch_groups, lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay, fused=True,
         )
         for sub in self.sub_groups:
             for master in sub.masters:
                 self.optimizer.state[master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=self.step_device if fused else "cpu")
+                    "step": torch.zeros((), dtype=torch.float32, device=self.step_device)
                 }
         if not self.states.transactional:
             self.bind_views()
+        self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
 
     @property
     def step_device(self) -> torch.device:
@@ -204,10 +205,14 @@ class ZeroOptimizer:
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(sp.has_grad for sp in sub.params)}
         counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
         streamed = self.states.transactional
+        # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
+        # next one steps), except into a disk file beside masters kept in memory: those masters are
+        # updated in place, so the shards go after the whole walk (see the except clause below).
+        during = streamed or not self._lp_on_disk
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             self._step_sub_group(self.sub_groups[index], window, coefficient)
-            if streamed:
+            if during:
                 self._write_lp(self.sub_groups[index], window["hp_params"])
 
         try:
@@ -229,7 +234,7 @@ class ZeroOptimizer:
             if streamed:
                 self.unbind_views()  # the windows are reused: no view of them may outlive the walk
         self.lp_write_error = None
-        if not streamed:
+        if not during:
             try:
                 for index, sub in enumerate(self.sub_groups):
                     if index not in idle:
