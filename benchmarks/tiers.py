@@ -14,7 +14,10 @@ machine's 24 GiB of RAM.
 
 In the same run and the same directory, first, the plain sequential rate of
 the disk: ONE ``write`` of ``--plain-gib`` GiB then ``fsync``, the page cache
-dropped (``posix_fadvise(DONTNEED)``), then ONE ``readinto``. Then ``--steps``
+dropped (``posix_fadvise(DONTNEED)``), then ONE ``readinto``, in a spawned
+child process (its buffers stay out of this process's peak RSS), and again
+after training; ratios use the mean of the two rates (both are printed: this
+VM's disk drifts by up to 2x within a run). Then ``--steps``
 training steps, each timed per phase (forward, backward, step) with the bytes
 the engine's disk layer moved in that phase (``engine.disk.bytes_read`` /
 ``bytes_written``). The I/O rate of a phase is its bytes over its wall time
@@ -24,7 +27,7 @@ plain write rate), and ratio = ours / plain (goal: >= 0.5). Peak RSS is
 ``ru_maxrss`` (the whole run, the model build included; goal: < 12 GiB).
 
     python benchmarks/tiers.py --dir /work/nvme              # 1.78B params, 3 steps: ~15-25 min here
-    python benchmarks/tiers.py --dir /tmp/t --n-layer 2 --n-embd 256 --vocab 4096   # a 2-minute smoke run
+    python benchmarks/tiers.py --dir /tmp/t --n-layer 2 --n-embd 256 --n-head 4 --vocab 4096   # a smoke run
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -106,6 +110,13 @@ def plain_sequential(directory: Path, gib: float) -> dict[str, float]:
     return {"bytes": nbytes, "write_GBps": nbytes / write_s / GB, "read_GBps": nbytes / read_s / GB}
 
 
+def plain_in_child(directory: Path, gib: float) -> dict[str, float]:
+    """`plain_sequential` in a spawned process, so its buffers do not count in this process's peak RSS."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(plain_sequential, (directory, gib))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="the disk tier's directory (default: a temp dir under /tmp)")
@@ -119,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sub-group-size", type=float, default=5e7)
+    parser.add_argument("--reduce-bucket-size", type=float, default=5e7,
+                        help="zero_optimization.reduce_bucket_size (elements; the scratch bucket is this x 4 B in fp32)")
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=1 << 20, help="aio.block_size (bytes per request)")
     parser.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth")
@@ -135,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     free_gb = shutil.disk_usage(root).free / GB
 
-    plain = plain_sequential(root, args.plain_gib)
-    print(f"plain sequential on {root}: write {plain['write_GBps']:.2f} GB/s, read {plain['read_GBps']:.2f} GB/s "
+    before = plain_in_child(root, args.plain_gib)
+    print(f"plain sequential on {root}: write {before['write_GBps']:.2f} GB/s, read {before['read_GBps']:.2f} GB/s "
           f"({args.plain_gib:g} GiB, fsync + dropped cache)", flush=True)
 
     model_cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "bf16": {"enabled": args.precision == "bf16"},
         "zero_optimization": {
-            "stage": 3, "sub_group_size": int(args.sub_group_size), **tier_config(args.tier, str(root)),
+            "stage": 3, "sub_group_size": int(args.sub_group_size),
+            "reduce_bucket_size": int(args.reduce_bucket_size), **tier_config(args.tier, str(root)),
         },
         "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth, "thread_count": 1},
         "steps_per_print": 1_000_000,
@@ -187,12 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                 engine.step()
             seconds = time.perf_counter() - begun
             read, written = disk.bytes_read - read0, disk.bytes_written - written0
-            plain_s = read / (plain["read_GBps"] * GB) + written / (plain["write_GBps"] * GB)
             rate = (read + written) / seconds / GB
-            row[phase] = {
-                "s": seconds, "read_GB": read / GB, "written_GB": written / GB, "GBps": rate,
-                "ratio_to_plain": (plain_s / seconds) if plain_s else None,
-            }
+            row[phase] = {"s": seconds, "read_GB": read / GB, "written_GB": written / GB, "GBps": rate,
+                          "peak_rss_GiB_so_far": peak_rss_gib()}
         row["loss"] = loss.item()
         row["s"] = sum(row[p]["s"] for p in ("forward", "backward", "step"))
         row["rss_GiB"] = rss_gib()
@@ -200,9 +211,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step + 1}: loss {row['loss']:.4f}, {row['s']:.1f} s "
               + ", ".join(f"{p} {row[p]['s']:.1f} s ({row[p]['read_GB'] + row[p]['written_GB']:.1f} GB, "
                           f"{row[p]['GBps']:.2f} GB/s)" for p in ("forward", "backward", "step"))
-              + f"; RSS {row['rss_GiB']:.2f} GiB", flush=True)
+              + f"; RSS {row['rss_GiB']:.2f} GiB, peak so far "
+              + "/".join(f"{row[p]['peak_rss_GiB_so_far']:.2f}" for p in ("forward", "backward", "step"))
+              + " GiB after forward/backward/step", flush=True)
     engine.destroy()
     peak = peak_rss_gib()
+    after = plain_in_child(root, args.plain_gib)
+    print(f"plain sequential again: write {after['write_GBps']:.2f} GB/s, read {after['read_GBps']:.2f} GB/s",
+          flush=True)
+    plain = {key: (before[key] + after[key]) / 2 for key in ("write_GBps", "read_GBps")}
+    for row in rows:
+        for phase in ("forward", "backward", "step"):
+            cell = row[phase]
+            plain_s = cell["read_GB"] / plain["read_GBps"] + cell["written_GB"] / plain["write_GBps"]
+            cell["ratio_to_plain"] = plain_s / cell["s"] if plain_s else None
 
     def median(phase: str, key: str) -> float:
         values = [row[phase][key] for row in rows if row[phase][key] is not None]
@@ -224,13 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             print("  ".join("-" * w for w in widths))
     step_s = statistics.median(row["s"] for row in rows)
     print(f"\nmedian step {step_s:.1f} s; peak RSS {peak:.2f} GiB (goal < 12); after the build {init_peak:.2f} GiB; "
-          f"plain sequential write {plain['write_GBps']:.2f} / read {plain['read_GBps']:.2f} GB/s")
+          f"plain sequential (mean of before and after) write {plain['write_GBps']:.2f} / read "
+          f"{plain['read_GBps']:.2f} GB/s")
 
     result = {
         "benchmark": "tiers", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "args": vars(args) | {
             "json": str(args.json)}, "directory": str(root), "free_GB_before": free_gb,
-        "parameters": params, "state_GB_at_16B": 16 * params / GB, "plain": plain, "init_s": init_s,
+        "parameters": params, "state_GB_at_16B": 16 * params / GB, "plain": plain, "plain_before": before, "plain_after": after, "init_s": init_s,
         "peak_rss_GiB": peak, "peak_rss_after_build_GiB": init_peak, "median_step_s": step_s, "steps": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

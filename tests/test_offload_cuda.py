@@ -65,3 +65,43 @@ def test_cuda_offload_frees_device_memory_and_reuses_pinned_buffers(tmp_path: Pa
         first, second = result["pinned_ptrs"]
         assert first and first == second, "pinned host buffers must be allocated once and reused"
         assert result["pinned"]
+
+
+# ---- the offload tiers on a GPU (ZeRO-Offload / ZeRO-Infinity) -------------------------------------------
+def tiers_on_cuda(rank: int, world: int, root: str) -> dict:
+    from tests.test_tiers import build as build_tier
+    from tests.test_tiers import tiers
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pinned = {"pin_memory": True}
+    chosen = {
+        "none": {},
+        "optimizer_cpu": {"offload_optimizer": {"device": "cpu", **pinned}},
+        "params_cpu": {"offload_param": {"device": "cpu", **pinned}},
+        "both_nvme": tiers(root)["both_nvme"],
+    }
+    out: dict = {"losses": {}, "homes": {}, "side_stream": {}}
+    for name, zero in chosen.items():
+        engine, _ = build_tier(zero)
+        losses = []
+        for x, y in models.batches("tokens", 4, 4 * world):
+            loss = models.loss_of(engine(x.to(device), y.to(device)), engine.module)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out["losses"][name] = losses
+        out["homes"][name] = engine.state_report().homes
+        out["side_stream"][name] = engine.reducer._copy_stream is not None
+        engine.destroy()
+    return out
+
+
+def test_cuda_tiers_train_like_the_device_engine_and_copy_gradients_on_a_side_stream(tmp_path: Path) -> None:
+    result = run_ranks(1, tiers_on_cuda, str(tmp_path))[0]
+    losses = result["losses"]
+    assert losses["params_cpu"] == losses["none"]  # host shards copied in: the same values, the same kernels
+    for name in ("optimizer_cpu", "both_nvme"):  # the host's fused Adam, not CUDA's: equal to rounding
+        assert torch.allclose(torch.tensor(losses[name]), torch.tensor(losses["none"]), rtol=1e-4, atol=1e-5), name
+    assert set(result["homes"]["optimizer_cpu"]["lp_grads"]) == {"cpu"}
+    assert set(result["homes"]["optimizer_cpu"]["hp_params"]) == {"cpu"}
+    assert result["side_stream"]["optimizer_cpu"] and not result["side_stream"]["none"]

@@ -23,7 +23,7 @@ from zero3.offload import disk as disk_io
 from zero3.offload.disk import StepIOError
 
 STEPS = 4
-SUB_GROUP = 3000  # several sub-groups per rank, so the disk walk rotates its windows
+SUB_GROUP = 1500  # several sub-groups per rank (the disk walk rotates its windows); MLP shards are cut
 
 
 def tiers(root: str) -> dict[str, dict]:
@@ -149,7 +149,19 @@ def parity(rank: int, world: int, root: str) -> dict:
             out["devices"][key] = {s.value: {str(d) for d in zero3.get_state_devices(engine, s)} for s in OffloadStateType}
             if engine.param_disk is not None:
                 out.setdefault("reads", {})[key] = (engine.param_disk.reads_ahead_used, engine.param_disk.reads_on_demand)
+            if name == "optimizer_nvme" and precision == "fp32":
+                optimizer = engine.optimizer
+                out["sub_groups"] = {
+                    "largest": max(sub.numel for sub in optimizer.sub_groups),
+                    "largest_shard": max(sp.shard_numel for sp in optimizer.params),
+                    "split": sum(piece.start > 0 for sub in optimizer.sub_groups for piece in sub.pieces),
+                    "window": optimizer.states.window_numel,
+                }
             engine.destroy()
+    # The same in-memory run with sub-groups larger than the model: no shard is cut in pieces.
+    engine, _ = build({"sub_group_size": 10**9})
+    out["losses"]["whole_sub_group/fp32"] = train(engine, rank, world, models.batches("tokens", STEPS, 4 * world))
+    engine.destroy()
     # A forward whose module order changes from step to step, with every shard on disk.
     for name in ("none", "params_nvme"):
         engine, _ = build(tiers(root)[name], name="branchy")
@@ -172,6 +184,14 @@ def test_every_tier_gives_the_in_memory_losses_bit_for_bit(parity_results: list[
     for result in parity_results:
         assert result["losses"][f"{tier}/fp32"] == result["losses"]["none/fp32"]
     assert parity_results[0]["losses"]["none/fp32"][-1] < parity_results[0]["losses"]["none/fp32"][0]
+
+
+def test_sub_groups_cut_large_shards_and_stepping_in_pieces_changes_nothing(parity_results: list[dict]) -> None:
+    for result in parity_results:
+        cut = result["sub_groups"]
+        assert cut["largest_shard"] > SUB_GROUP  # so some shard must be cut
+        assert cut["split"] > 0 and cut["largest"] <= SUB_GROUP and cut["window"] <= SUB_GROUP
+        assert result["losses"]["none/fp32"] == result["losses"]["whole_sub_group/fp32"]
 
 
 def test_bf16_with_everything_on_disk_gives_the_in_memory_losses(parity_results: list[dict]) -> None:

@@ -11,8 +11,9 @@ from zero3.accessors import (
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
 from zero3.offload import get_state_devices
-from zero3.offload.disk import OffloadIOError
+from zero3.offload.disk import OffloadIOError, StepIOError
 from zero3.offload.report import StateReport
+from zero3.offload.tiers import TierConfigError
 from zero3.partition.flat_buffer import StateOffloadedError
 from zero3.partition.gathered import GatheredParameters
 from zero3.partition.init_context import Init
@@ -31,6 +32,8 @@ __all__ = [
     "ParamStatus",
     "StateOffloadedError",
     "StateReport",
+    "StepIOError",
+    "TierConfigError",
     "Zero3Config",
     "ZeroEngine",
     "get_state_devices",

@@ -17,7 +17,9 @@ become current. A disk that fails mid-step therefore loses nothing: the
 step raises, and the current generation still holds the state as it was
 before the step (the 16-bit gradients stay in memory and are never written:
 each sub-group's fp32 gradient is made from them just before it steps). The
-price is twice the optimizer state's bytes on disk, reserved up front.
+price is twice the optimizer state's bytes on disk, reserved up front. The
+windows (`buffer_count` x `sub_group_size` x 12 bytes) exist only during the
+walk: forward and backward get that host memory back.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ class DiskOptimizerStates:
 
     def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
         """Every sub-group goes through (a skipped one is copied unchanged: the other generation needs it)."""
+        try:
+            self._walk(ranges, visit, skip)
+        finally:
+            self.pool.drop("optim-window:")  # every transfer into or out of a window has ended here
+
+    def _walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
         source, target = self.generation, self._other()
         free = deque(self._window(key) for key in range(min(self.buffer_count, max(len(ranges), 1))))
         reading: dict[int, _Window] = {}

@@ -65,11 +65,23 @@ class DiskShardTier:
         self.drop_reads_ahead()
         self.disk.write_now(self.file, source, offset * self.element_size)
 
-    def adopt(self, buffer: FlatBuffer) -> None:
-        """Write the buffer's values to the file and make the file its home (memory is freed)."""
-        self.disk.write_now(self.file, buffer.tensor, 0)
+    def adopt(self, units: list[GatherUnit], name: str) -> FlatBuffer:
+        """Move these units' shards into the file, one unit at a time, and make it their home.
+
+        Host memory never holds more than one unit's shard on the way: a model whose shards exceed
+        RAM is built unit by unit under zero3.Init, and must not be gathered into one buffer here.
+        """
+        numel = sum(unit.shard_numel for unit in units)
+        buffer = FlatBuffer(name, torch.empty(numel, dtype=self.dtype, device="meta"), state="lp_params")
         buffer.keep_in(self, "lives on disk (zero_optimization.offload_param)")
+        cursor = 0
+        for unit in units:
+            shard = torch.cat([sp.lp_slot.read().reshape(-1) for sp in unit.params])  # type: ignore[union-attr]
+            unit.assign_lp(buffer, cursor)  # the unit's own buffer is freed with its last reference
+            self.disk.write_now(self.file, shard.to(self.dtype), cursor * self.element_size)
+            cursor += unit.shard_numel
         self.buffer = buffer
+        return buffer
 
     # ---- the units' source ---------------------------------------------------------
     def acquire(self, unit: GatherUnit) -> torch.Tensor:

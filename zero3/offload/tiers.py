@@ -112,12 +112,11 @@ def lay_out_params(
     disk_tier = None
     if on_disk:
         assert tier.nvme_path is not None
-        disk_part = consolidate_lp(on_disk, dtype, host, name="lp_params:nvme")
         disk_tier = DiskShardTier(
-            disk, Path(tier.nvme_path), disk_part.numel, dtype, device, read_ahead=tier.buffer_count
+            disk, Path(tier.nvme_path), sum(unit.shard_numel for unit in on_disk), dtype, device,
+            read_ahead=tier.buffer_count,
         )
-        disk_tier.adopt(disk_part)
-        buffers.append(disk_part)
+        buffers.append(disk_tier.adopt(on_disk, "lp_params:nvme"))
         for unit in on_disk:
             unit.source = disk_tier
     if device.type != "cpu":

@@ -30,6 +30,14 @@ waits on the reductions in order and says which have finished.)
 A gradient that arrives for a bucket already sent (a parameter accumulated
 twice in one backward, as reentrant checkpointing can do) is reduced in one
 more round at the end, which every rank joins if any rank needs it.
+
+With ZeRO-Offload the gradients accumulate in host memory. On CUDA a landed
+shard is copied to a pinned host buffer on a side stream (ordered after the
+reduction, so the compute stream never waits for the copy, and the host
+thread not at all); a slot holding a shard still being copied is reused only
+behind that copy, and the host adds shards into `lp_grads` as their copies
+arrive, in landing order, all of them before the backward ends. On the CPU
+the shard is already in host memory and is added as it lands.
 """
 
 from __future__ import annotations
@@ -67,6 +75,15 @@ class _Reduction:
         return self.finished.done() if self.finished is not None else self.work.is_completed()
 
 
+@dataclass
+class _HostArrival:
+    """A reduced shard on its way to host memory (ZeRO-Offload on CUDA): added to `lp_grads` on arrival."""
+
+    copied: torch.cuda.Event
+    staged: torch.Tensor  # pinned host memory, filled by the side stream
+    params: list[ShardedParam]
+
+
 class GradientReducer:
     def __init__(
         self,
@@ -99,6 +116,10 @@ class GradientReducer:
         self._watched: list[Future[None]] = []
         self.scratch: FlatBuffer | None = None
         self._busy: list[_Reduction | None] = [None] * self.slots
+        # ZeRO-Offload on CUDA (see the Note): the side stream, each slot's pending copy, the arrivals.
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._slot_copy: list[torch.cuda.Event | None] = [None] * self.slots
+        self._arriving: list[_HostArrival] = []
         self._inflight: list[_Reduction] = []
         self._open = False
         self._grads: list[list[torch.Tensor | None]] = []
@@ -138,7 +159,7 @@ class GradientReducer:
 
     def free_scratch(self) -> None:
         """Drop the scratch bucket (it holds nothing between backward passes)."""
-        if self._open or self._inflight:
+        if self._open or self._inflight or self._arriving:
             raise RuntimeError("cannot free the gradient bucket while a reduction is pending")
         self.scratch = None
 
@@ -222,6 +243,10 @@ class GradientReducer:
         else:
             assert self.scratch is not None
             storage = self.scratch.view(slot * self.slot_numel, self.slot_numel)
+            copy = self._slot_copy[slot]
+            if copy is not None:  # the slot's last shard is still being copied to the host
+                torch.cuda.current_stream(self.device).wait_event(copy)
+                self._slot_copy[slot] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
         output = storage.narrow(0, self.capacity, bucket.shard_numel)
         grads = [self._grad_or_zeros(sp, grad) for sp, grad in zip(bucket.params, self._grads[j])]
@@ -259,23 +284,57 @@ class GradientReducer:
     def _land(self, reduction: _Reduction) -> None:
         if reduction.work is not None:
             reduction.work.wait()
-        destinations = [sp.grad_slot.view() for sp in reduction.bucket.params]  # type: ignore[union-attr]
+        params = reduction.bucket.params
+        destinations = [sp.grad_slot.view() for sp in params]  # type: ignore[union-attr]
         output = reduction.output
         if destinations and destinations[0].device != output.device:
-            # ZeRO-Offload keeps the gradients in host memory: the reduced shard is copied there.
-            output = output.to(destinations[0].device)
-        sources = output.split([sp.shard_numel for sp in reduction.bucket.params])
-        torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
+            # ZeRO-Offload keeps the gradients in host memory (see the Note).
+            self._copy_to_host(reduction)
+        else:
+            self._add(destinations, output, params)
         self._inflight.remove(reduction)
         if reduction.slot is not None:
             self._busy[reduction.slot] = None
         reduction.work = None
         self.comm.forget_released()
 
+    def _add(self, destinations: list[torch.Tensor], output: torch.Tensor, params: list[ShardedParam]) -> None:
+        sources = output.split([sp.shard_numel for sp in params])
+        torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
+
+    def _copy_to_host(self, reduction: _Reduction) -> None:
+        """Start the shard's copy to pinned host memory on the side stream; it is added when it arrives."""
+        output = reduction.output
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        # After work.wait() the reduction is ordered on the current stream: the copy goes behind it.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        staged = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+        with torch.cuda.stream(self._copy_stream):
+            staged.copy_(output, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        if reduction.slot is not None:
+            self._slot_copy[reduction.slot] = copied
+        else:
+            output.record_stream(self._copy_stream)  # a fresh buffer's memory outlives the copy
+        self._arriving.append(_HostArrival(copied, staged, reduction.bucket.params))
+        self._add_arrived(block=False)
+
+    def _add_arrived(self, block: bool) -> None:
+        """Add the shards whose copies have arrived (with `block`, all of them), in landing order."""
+        while self._arriving and (block or self._arriving[0].copied.query()):
+            arrival = self._arriving.pop(0)
+            arrival.copied.synchronize()
+            destinations = [sp.grad_slot.view() for sp in arrival.params]  # type: ignore[union-attr]
+            self._add(destinations, arrival.staged, arrival.params)
+
     def _land_all(self) -> None:
-        """Land every reduction, and wait for the helper thread to let go of their works too."""
+        """Land every reduction (and add every shard on its way to the host); settle the helper thread."""
         for reduction in list(self._inflight):
             self._land(reduction)
+        self._add_arrived(block=True)
+        self._slot_copy = [None] * self.slots  # every copy has arrived
         if self._watched:
             wait(self._watched)
             self._watched = []

@@ -6,16 +6,21 @@ buffers with one shared offset map: `hp_params` (fp32 master), `lp_grads`
 (16-bit reduced gradients), and `exp_avg` / `exp_avg_sq` (the
 `optim_states`). The fp32 buffers belong to a tier (zero3.offload's
 optimizer tier): on the device, in host memory (ZeRO-Offload) or in files
-(ZeRO-Infinity); `lp_grads` stays in memory in every tier. Groups are cut
-into sub-groups of at most `sub_group_size` elements at parameter
-boundaries, and a step walks them: the tier hands each sub-group's window
-of master and moments to `_step_sub_group`, which makes the sub-group's
-fp32 gradients from `lp_grads` (they exist only while it steps), points
-torch's Adam/AdamW at the window (each master a view, its moments views, in
-the optimizer state) and steps it. So a parameter that got no gradient this
-step is skipped exactly as torch skips it (no decay, no moment update, no
-step count). The new 16-bit shards are written from the masters after the
-walk (or, for a disk tier, as each sub-group leaves its window).
+(ZeRO-Infinity); `lp_grads` stays in memory in every tier. Each group's
+range is cut into sub-groups of `sub_group_size` elements (the last one
+shorter), splitting a parameter's shard where a cut falls in it: Adam is
+elementwise, so a shard stepped in two pieces gets the same values as in
+one, and a disk tier's windows stay `sub_group_size` however large one
+parameter is (a 50k-vocab embedding would otherwise size them all). A step
+walks the sub-groups: the tier hands each one's window of master and
+moments to `_step_sub_group`, which makes the sub-group's fp32 gradients
+from `lp_grads` (they exist only while it steps), points torch's
+Adam/AdamW at the window (each piece's master a view, its moments views,
+in the optimizer state) and steps it. So a parameter that got no gradient
+this step is skipped exactly as torch skips it (no decay, no moment update,
+no step count). The new 16-bit shards are written from each sub-group's
+masters once it has stepped (or, when they live on disk beside masters kept
+in memory, after the walk: see `step`).
 """
 
 from __future__ import annotations
@@ -40,11 +45,20 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
+class Piece:
+    """`numel` elements of a parameter's shard, from `start` within it: the part one sub-group steps."""
+
+    sp: ShardedParam
+    start: int
+    numel: int
+
+
+@dataclass
 class SubGroup:
     offset: int
     numel: int
-    params: list[ShardedParam]
-    masters: list[nn.Parameter]
+    pieces: list[Piece]
+    masters: list[nn.Parameter]  # one per piece
 
 
 class ZeroOptimizer:
@@ -70,7 +84,7 @@ class ZeroOptimizer:
         self.params = [sp for sps, _ in groups for sp in sps]
         total = sum(sp.shard_numel for sp in self.params)
         runs_by_group = [_split(sps, sub_group_size) for sps, _ in groups]
-        largest = max((sum(sp.shard_numel for sp in run) for runs in runs_by_group for run in runs), default=0)
+        largest = max((sum(piece.numel for piece in run) for runs in runs_by_group for run in runs), default=0)
         # (total elements, the largest sub-group): the tier sizes its buffers or windows from them.
         self.states = make_states(total, largest)
         self.hp_params = self.states.buffers["hp_params"]
@@ -86,21 +100,22 @@ class ZeroOptimizer:
         self.sub_groups: list[SubGroup] = []
         torch_groups: list[dict[str, Any]] = []
         cursor = 0
+        for sp in self.params:
+            sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
+            sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
+            sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
+            assert sp.lp_slot is not None
+            sp.hp_slot.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
+            sp.hp_seed = None
+            cursor += sp.shard_numel
         for (_, options), runs in zip(groups, runs_by_group):
             group_masters: list[nn.Parameter] = []
             for run in runs:
-                start = cursor
-                masters = []
-                for sp in run:
-                    sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
-                    sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
-                    sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
-                    assert sp.lp_slot is not None
-                    sp.hp_slot.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
-                    sp.hp_seed = None
-                    masters.append(nn.Parameter(torch.empty(0, device=self.step_device)))
-                    cursor += sp.shard_numel
-                self.sub_groups.append(SubGroup(start, cursor - start, run, masters))
+                first = run[0].sp.hp_slot
+                assert first is not None
+                masters = [nn.Parameter(torch.empty(0, device=self.step_device)) for _ in run]
+                numel = sum(piece.numel for piece in run)
+                self.sub_groups.append(SubGroup(first.offset + run[0].start, numel, run, masters))
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
@@ -139,12 +154,12 @@ class ZeroOptimizer:
 
     def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
         cursor = 0
-        for sp, master in zip(sub.params, sub.masters):
-            master.data = window["hp_params"][cursor : cursor + sp.shard_numel]
+        for piece, master in zip(sub.pieces, sub.masters):
+            master.data = window["hp_params"][cursor : cursor + piece.numel]
             state = self.optimizer.state[master]
             for name in MOMENTS:
-                state[name] = window[name][cursor : cursor + sp.shard_numel]
-            cursor += sp.shard_numel
+                state[name] = window[name][cursor : cursor + piece.numel]
+            cursor += piece.numel
 
     def unbind_views(self) -> None:
         for sub in self.sub_groups:
@@ -202,7 +217,7 @@ class ZeroOptimizer:
         coefficient = 1.0 / scale
         if self.gradient_clipping > 0:
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        idle = {i for i, sub in enumerate(self.sub_groups) if not any(sp.has_grad for sp in sub.params)}
+        idle = {i for i, sub in enumerate(self.sub_groups) if not any(piece.sp.has_grad for piece in sub.pieces)}
         counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
@@ -260,9 +275,9 @@ class ZeroOptimizer:
             grad.mul_(coefficient)
         self._bind(sub, window)
         cursor = 0
-        for sp, master in zip(sub.params, sub.masters):
-            master.grad = grad[cursor : cursor + sp.shard_numel] if sp.has_grad else None
-            cursor += sp.shard_numel
+        for piece, master in zip(sub.pieces, sub.masters):
+            master.grad = grad[cursor : cursor + piece.numel] if piece.sp.has_grad else None
+            cursor += piece.numel
         self.optimizer.step()
         for master in sub.masters:
             master.grad = None
@@ -270,10 +285,11 @@ class ZeroOptimizer:
     def _write_lp(self, sub: SubGroup, hp: torch.Tensor) -> None:
         """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live."""
         cursor = 0
-        for sp in sub.params:
-            assert sp.lp_slot is not None
-            sp.lp_slot.write(hp[cursor : cursor + sp.shard_numel])
-            cursor += sp.shard_numel
+        for piece in sub.pieces:
+            lp = piece.sp.lp_slot
+            assert lp is not None
+            lp.buffer.write_range(lp.offset + piece.start, hp[cursor : cursor + piece.numel])
+            cursor += piece.numel
 
     def repair_lp(self) -> None:
         """After a step whose 16-bit shards were not all written: write them again from the masters."""
@@ -291,16 +307,21 @@ class ZeroOptimizer:
         }
 
 
-def _split(sps: list[ShardedParam], limit: int) -> list[list[ShardedParam]]:
-    runs: list[list[ShardedParam]] = []
-    current: list[ShardedParam] = []
-    size = 0
+def _split(sps: list[ShardedParam], limit: int) -> list[list[Piece]]:
+    """Cut the shards' concatenation into runs of `limit` elements (the last shorter); see the Note."""
+    runs: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = limit
     for sp in sps:
-        if current and size + sp.shard_numel > limit:
-            runs.append(current)
-            current, size = [], 0
-        current.append(sp)
-        size += sp.shard_numel
+        start = 0
+        while start < sp.shard_numel:
+            take = min(room, sp.shard_numel - start)
+            current.append(Piece(sp, start, take))
+            start += take
+            room -= take
+            if room == 0:
+                runs.append(current)
+                current, room = [], limit
     if current:
         runs.append(current)
     return runs
