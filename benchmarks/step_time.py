@@ -5,7 +5,7 @@ Not a test: nothing here asserts on timings. It trains the built-in GPT
 (`zero3.models.gpt`) on the built-in corpus (`zero3.data`) at world size N on the
 gloo backend, one thread per rank, once per engine:
 
-* ``zero3``          -- ``zero3.Init`` + ``zero3.initialize``, bf16, AdamW, ZeRO-3 with the
+* ``zero3``          -- ``zero3.Init`` + ``zero3.initialize``, bf16 (``--precision``), AdamW, ZeRO-3 with the
                         default ``stage3_param_persistence_threshold``;
 * ``zero3-persist0`` -- the same with ``stage3_param_persistence_threshold: 0``
                         (every parameter partitioned, gathered on use);
@@ -28,6 +28,8 @@ rank's. Results: a rich table, zero3/FSDP2 ratios, and JSON at ``--out``.
 
     python benchmarks/step_time.py                 # defaults: about 1-2 minutes
     python benchmarks/step_time.py --profile       # also cProfile rank 0 of zero3
+    python benchmarks/step_time.py --engines zero3,deepspeed --offload-optimizer cpu --precision fp32 \
+        --n-layer 8 --n-embd 512                   # ZeRO-Offload against DeepSpeed's (where it imports)
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ class Job:
     profile: bool = False
     profile_out: str = ""
     offload_optimizer: str = "none"
+    precision: str = "bf16"
 
 
-def ds_config(micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none") -> dict[str, Any]:
+def ds_config(
+    micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none", precision: str = "bf16",
+) -> dict[str, Any]:
     """The DeepSpeed-style config used by zero3 (and by DeepSpeed, if present)."""
     zero: dict[str, Any] = {"stage": 3}
     if persistence_threshold is not None:
@@ -93,7 +98,7 @@ def ds_config(micro_batch: int, persistence_threshold: int | None, offload_optim
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": zero,
     }
 
@@ -133,7 +138,7 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
-    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer)
+    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision)
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg):
         model = GPT(job.model)
@@ -153,7 +158,8 @@ def _build_fsdp2(job: Job):
     torch.manual_seed(job.seed)
     model = GPT(job.model)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if job.precision == "bf16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -189,7 +195,7 @@ def _build_fsdp2(job: Job):
 def _build_deepspeed(job: Job):
     import deepspeed  # noqa: F401  (only reached when importable)
 
-    cfg = ds_config(job.micro_batch, None, job.offload_optimizer)
+    cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision)
     torch.manual_seed(job.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)
@@ -416,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                    help="ZeRO-Offload for zero3 and DeepSpeed (fsdp2 has no optimizer offload: it is skipped)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="fp32 on a CPU without bf16 matmul units (bf16 backward is ~30x slower there)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
@@ -458,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer),
+            "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer, args.precision),
         },
         "engines": {},
     }
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
                   warmup=args.warmup, seed=args.seed,
                   profile=args.profile and name == "zero3", profile_out=profile_path,
-                  offload_optimizer=args.offload_optimizer)
+                  offload_optimizer=args.offload_optimizer, precision=args.precision)
         console.print(f"running {name} ...")
         t0 = time.perf_counter()
         try:

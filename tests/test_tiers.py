@@ -239,14 +239,18 @@ def parking(rank: int, world: int, root: str, park: str) -> dict:
         batches = models.batches("tokens", STEPS, 4 * world)
         losses = train(engine, rank, world, batches[:2])
         before = local_state(engine, model)
+        written_before = engine.disk.bytes_written
         engine.offload_states(device="nvme", nvme_path=park)
         parked = engine.state_report()
+        # 5: parking goes through the tiers' own disk layer and host pool, not a second one.
+        shared = engine.offloader.disk is engine.disk and engine.offloader.host.pool is engine.host_pool
+        parked_bytes = engine.disk.bytes_written - written_before
         engine.reload_states()
         back = engine.state_report()
         out[name] = {
             "parked": dict(parked), "homes": parked.homes, "back": dict(back), "exact": same(before, local_state(engine, model)),
             "losses": losses + train(engine, rank, world, batches[2:]),
-            "table": str(parked),
+            "table": str(parked), "shared": shared, "parked_bytes": parked_bytes,
         }
         engine.destroy()
     return out
@@ -263,6 +267,7 @@ def test_every_tier_parks_on_disk_and_comes_back_home_bit_exact(tmp_path: Path) 
             assert set(r["parked"][state]) == {"nvme"}, (name, state, r["parked"][state])
             assert set(r["back"][state]) == set(r["homes"][state]), (name, state)  # back where the tier keeps it
         assert "home" in r["table"] and "now" in r["table"]
+        assert r["shared"] and r["parked_bytes"] > 0, name  # one I/O layer: the tiers' disk wrote the parked states
     assert set(result["optimizer_nvme"]["back"]["hp_params"]) == {"nvme"}  # it never left its home
     assert set(result["optimizer_cpu"]["back"]["hp_params"]) == {"cpu"}
 
