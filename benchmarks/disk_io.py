@@ -11,7 +11,7 @@ not a multiple of 4096, as a flat bf16 buffer's seldom is) is written to a
 fresh file in ``--dir`` and read back, once per path (``--repeats`` for
 medians). Every buffer is page-aligned anonymous memory (``mmap``), touched
 before any timing, for every path alike. The paths carry their own I/O code
-(nothing is imported from zero3):
+(only the argument checks come from zero3):
 
 * ``plain sequential`` -- the baseline: ONE ``open(path, "wb").write(memoryview)``
   of the whole buffer, then ``os.fsync``; a read is ONE ``f.readinto`` of the
@@ -91,6 +91,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from zero3.cli import non_negative_int, positive_float, positive_int
 
 ALIGN = 4096  # O_DIRECT alignment used for addresses, offsets and lengths
 PAGE = mmap.PAGESIZE
@@ -803,27 +805,6 @@ def print_report(results: dict[str, Any], rows: list[Row], console: Any) -> None
 # ------------------------------------------------------------------------ main
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive")
-    return value
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -843,8 +824,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=Path, default=None,
                    help="directory to write in (a fresh subdirectory is made and removed); default: a temp dir "
                    "under /tmp")
-    p.add_argument("--gib", type=_positive_float, default=4.0, help="buffer size in GiB (2**30 bytes)")
-    p.add_argument("--tail-bytes", type=_non_negative_int, default=2468,
+    p.add_argument("--gib", type=positive_float, default=4.0, help="buffer size in GiB (2**30 bytes)")
+    p.add_argument("--tail-bytes", type=non_negative_int, default=2468,
                    help="bytes added to --gib GiB, so the size is not a multiple of 4096 (exercises the O_DIRECT "
                    "tail); 0 for none")
     p.add_argument("--chunks-mib", type=_int_list, default=[1, 4, 16], help="pool chunk sizes (MiB)")
@@ -852,10 +833,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="buffered,direct", help="comma-separated subset of buffered, direct")
     p.add_argument("--bindings", default=",".join(BENCHMARKED_BINDINGS),
                    help="bindings to benchmark where usable (comma-separated subset of liburing, libaio; '' none)")
-    p.add_argument("--depth", type=_positive_int, default=8, help="requests in flight for a binding")
-    p.add_argument("--binding-chunk-mib", type=_positive_int, default=4, help="request size for a binding (MiB)")
-    p.add_argument("--repeats", type=_positive_int, default=1, help="cycles per row (medians reported)")
-    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--depth", type=positive_int, default=8, help="requests in flight for a binding")
+    p.add_argument("--binding-chunk-mib", type=positive_int, default=4, help="request size for a binding (MiB)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="cycles per row (medians reported)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", type=Path, default=_DEFAULT_OUT, help="JSON results file")
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: the child of probe_bindings
     return p

@@ -292,7 +292,7 @@ def bad_input(rank: int, world: int, root: str) -> dict:
 
     from zero3.offload import tiers as tier_module
 
-    usage = shutil.disk_usage(root)
+    usage, real_disk_usage = shutil.disk_usage(root), shutil.disk_usage
     tier_module.shutil.disk_usage = lambda path: usage._replace(free=1000)  # type: ignore[attr-defined]
     try:
         build({"offload_param": {"device": "nvme", "nvme_path": root},
@@ -301,7 +301,7 @@ def bad_input(rank: int, world: int, root: str) -> dict:
     except Exception as error:  # noqa: BLE001
         out["no_space"] = f"{type(error).__name__}: {error}"
     finally:
-        tier_module.shutil.disk_usage = shutil.disk_usage  # type: ignore[attr-defined]
+        tier_module.shutil.disk_usage = real_disk_usage  # type: ignore[attr-defined]
     out["left_after_no_space"] = ",".join(sorted(p.name for p in Path(root).iterdir()))
 
     records: list[str] = []
@@ -314,6 +314,9 @@ def bad_input(rank: int, world: int, root: str) -> dict:
     engine, _ = build({"offload_optimizer": {"device": "cpu", "pin_memory": True}})
     engine.destroy()
     out["pin_warning"] = "\n".join(r for r in records if "pin_memory" in r)
+    engine, _ = build({"offload_optimizer": {"device": "nvme", "nvme_path": root, "ratio": 0.5}})
+    engine.destroy()
+    out["ratio_warning"] = "\n".join(r for r in records if "ratio" in r)
     return out
 
 
@@ -326,6 +329,7 @@ def test_bad_tier_paths_and_too_little_space_fail_before_anything_is_written(tmp
     assert "offload_param.nvme_path" in out["no_space"] and "offload_optimizer.nvme_path" in out["no_space"]
     assert out["left_after_no_space"] == "file"  # nothing was written
     assert "offload_optimizer.pin_memory=true has no effect" in out["pin_warning"]
+    assert "offload_optimizer.ratio=0.5 has no effect on a CPU engine" in out["ratio_warning"]
 
 
 # ---- 7: a disk that fails mid-step loses nothing ---------------------------------------------------------

@@ -50,10 +50,15 @@ def check_tiers(config: Zero3Config, device: torch.device) -> None:
             assert tier.nvme_path is not None  # the config requires it
             check_writable_directory(f"zero_optimization.{key}.nvme_path", tier.nvme_path)
     ratio = zc.offload_optimizer.ratio
-    if zc.offload_optimizer.device != "none" and ratio < 1 and device.type != "cpu":
-        raise TierConfigError(
-            f"zero_optimization.offload_optimizer.ratio={ratio}: partial optimizer offload is not supported yet "
-            "on a GPU; use 1.0 (the whole optimizer state on the host)"
+    if zc.offload_optimizer.device != "none" and ratio < 1:
+        if device.type != "cpu":
+            raise TierConfigError(
+                f"zero_optimization.offload_optimizer.ratio={ratio}: partial optimizer offload is not supported "
+                "yet on a GPU; use 1.0 (the whole optimizer state on the host)"
+            )
+        log.warning(
+            "zero_optimization.offload_optimizer.ratio=%s has no effect on a CPU engine: the whole optimizer "
+            "state goes to the %s tier", ratio, zc.offload_optimizer.device,
         )
 
 
