@@ -8,6 +8,7 @@ from zero3.accessors import (
     safe_get_local_lp_param,
     safe_get_local_optimizer_state,
 )
+from zero3.checkpoint import CheckpointError
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
 from zero3.offload import get_state_devices
@@ -23,6 +24,7 @@ from zero3.runtime.initialize import initialize
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "GatheredParameters",
     "Init",

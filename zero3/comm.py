@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,19 @@ class Communicator:
             (alias,) = self._hand_over(tensor)
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
+
+    def all_gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's picklable `value`, in rank order (on the gloo control group: between steps only)."""
+        if self.world_size == 1:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.control_group)
+        return out
+
+    def barrier(self) -> None:
+        """Every rank has reached this point (on the gloo control group: between steps only)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.control_group)
 
     @staticmethod
     def forget_released() -> None:

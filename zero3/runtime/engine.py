@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zero3 import accelerator
+from zero3.checkpoint import state as checkpoint_state
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
@@ -37,6 +38,7 @@ log = logging.getLogger("zero3")
 # The states each training call reads or writes (a call refuses to run while one is offloaded).
 FORWARD_NEEDS = (OffloadStateType.lp_params,)
 BACKWARD_NEEDS = (OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.contiguous_grad_buffer)
+CHECKPOINT_NEEDS = (OffloadStateType.hp_params, OffloadStateType.lp_params, OffloadStateType.optim_states)
 STEP_NEEDS = (
     OffloadStateType.hp_params, OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.optim_states,
 )
@@ -370,6 +372,62 @@ class ZeroEngine:
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        keep_last: int | None = None,
+    ) -> bool:
+        """Save this engine to `save_dir/<tag>` (default tag: global_step<N>); collective, every rank calls it.
+
+        Each rank writes its own pieces of every parameter's fp32 master and
+        Adam state (torch.distributed.checkpoint); no rank gathers the model.
+        `client_state` (any picklable object) comes back from load_checkpoint.
+        `latest` names the tag once every rank's files are complete (unless
+        `save_latest=False`); `keep_last=N` then removes older tags.
+        """
+        self._check_alive()
+        self._check_between_steps("save_checkpoint")
+        self._finish_backward()
+        self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
+        if self.optimizer is not None and any(sp.has_grad for sp in self.optimizer.params):
+            log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
+        checkpoint_state.save(self, save_dir, tag, client_state, save_latest, keep_last)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, Any]:
+        """Load `load_dir/<tag>` (default: the tag `latest` names), saved at any world size; collective.
+
+        Returns (the checkpoint's path, its client_state). The checkpoint is
+        checked first (the tag is complete, every name and shape matches this
+        model, every file matches its checksum, the optimizer is the same
+        kind): a failed check raises `zero3.CheckpointError` and changes
+        nothing. Accumulated gradients are dropped.
+        """
+        self._check_alive()
+        self._check_between_steps("load_checkpoint")
+        self._finish_backward()
+        self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
+        self.coordinator.release_all()
+        path, client_state = checkpoint_state.load(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+            load_module_strict,
+        )
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        return path, client_state
 
     # ---- state offloading ---------------------------------------------------------
     def offload_states(

@@ -134,6 +134,7 @@ class ZeroOptimizer:
                 }
         if not self.states.transactional:
             self.bind_views()
+        self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] | None = None
         self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
 
     @property
@@ -282,6 +283,22 @@ class ZeroOptimizer:
         self.optimizer.step()
         for master in sub.masters:
             master.grad = None
+
+    def _masters_of(self, sp: ShardedParam) -> list[nn.Parameter]:
+        if self._masters_by_param is None:
+            self._masters_by_param = {}
+            for sub in self.sub_groups:
+                for piece, master in zip(sub.pieces, sub.masters):
+                    self._masters_by_param.setdefault(piece.sp, []).append(master)
+        return self._masters_by_param[sp]
+
+    def step_count(self, sp: ShardedParam) -> torch.Tensor:
+        """How many steps torch's Adam took for this parameter (every piece of it took the same)."""
+        return self.optimizer.state[self._masters_of(sp)[0]]["step"]
+
+    def set_step_count(self, sp: ShardedParam, count: torch.Tensor) -> None:
+        for master in self._masters_of(sp):
+            self.optimizer.state[master]["step"] = count.to(dtype=torch.float32, device=self.step_device).clone()
 
     def _write_lp(self, sub: SubGroup, hp: torch.Tensor) -> None:
         """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live."""

@@ -1,0 +1,156 @@
+"""A rank's flat shard of a parameter, described to torch.distributed.checkpoint in the global shape.
+
+[Note: checkpoint chunks]
+A rank owns a contiguous range [start, end) of each parameter's flattened
+values (zero3.partition.layout); the padding past `numel` is never part of
+it. DCP describes a rank's piece of a tensor as boxes (offsets and sizes in
+the tensor's global shape). A row-major range is not one box in general,
+but it is a few: a partial innermost row, whole slabs, another partial row,
+recursively. Each box is contiguous in the flat order, so it is a view of
+the rank's range. `RangeChunks` is the state-dict entry that says so: it
+hands DCP one write item per box on save and one chunk per box on load, so
+DCP writes each parameter under its own name with its global shape, and
+reshards at load by intersecting the saved boxes with the loading rank's.
+The boxes are views of the engine's own buffers where the state lives in
+memory; where it lives on disk, `read` and `write` move a box at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+Box = tuple[list[int], list[int]]  # (offsets, sizes) in the global shape
+
+
+def range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """The row-major flat range [start, end) of a tensor of `shape`, as contiguous boxes in order."""
+    if end <= start:
+        return []
+    if len(shape) == 0:
+        return [([], [])]
+    boxes: list[Box] = []
+
+    def cover(dim: int, origin: list[int], lo: int, hi: int) -> None:
+        # [lo, hi) is a flat range inside the sub-tensor at `origin` spanning dims dim.. of `shape`.
+        if lo >= hi:
+            return
+        lead = [1] * dim
+        if dim == len(shape) - 1:
+            boxes.append((origin + [lo], lead + [hi - lo]))
+            return
+        slab = math.prod(shape[dim + 1:])
+        first, last = -(-lo // slab), hi // slab  # the whole slabs [first, last)
+        if first > last:  # inside one slab
+            cover(dim + 1, origin + [lo // slab], lo % slab, hi - lo // slab * slab)
+            return
+        if lo < first * slab:
+            cover(dim + 1, origin + [first - 1], lo - (first - 1) * slab, slab)
+        if last > first:
+            boxes.append((origin + [first] + [0] * (len(shape) - dim - 1), lead + [last - first, *shape[dim + 1:]]))
+        if hi > last * slab:
+            cover(dim + 1, origin + [last], 0, hi - last * slab)
+
+    cover(0, [], start, end)
+    return boxes
+
+
+@dataclass
+class RangeChunks:
+    """One parameter's state on this rank for DCP: the flat range [start, end) of a tensor of `shape`.
+
+    Either `values` (a 1-D tensor of end - start elements, written and read in place) or a
+    `read(offset, numel)` / `write(offset, tensor)` pair over the flat range (disk-backed state).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    end: int
+    values: torch.Tensor | None = None
+    read: Callable[[int, int], torch.Tensor] | None = None
+    write: Callable[[int, torch.Tensor], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.boxes = range_boxes(self.shape, self.start, self.end)
+        self._at: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+        cursor = 0
+        for offsets, sizes in self.boxes:
+            self._at[tuple(offsets)] = (cursor, sizes)
+            cursor += math.prod(sizes)
+
+    # ---- DCP's _Checkpointable hooks (duck-typed by its planner helpers) ----------
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        properties = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                    properties=properties,
+                    size=torch.Size(self.shape),
+                ),
+            )
+            for offsets, sizes in self.boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self.boxes]
+
+    # ---- a box's values ------------------------------------------------------------
+    def box(self, offsets: torch.Size | None) -> tuple[int, torch.Tensor]:
+        """(flat offset within the range, the box's tensor): a view, or a fresh host copy from disk."""
+        cursor, sizes = self._at[tuple(offsets or ())]
+        numel = math.prod(sizes)
+        if self.values is not None:
+            return cursor, self.values[cursor : cursor + numel].view(sizes)
+        assert self.read is not None
+        return cursor, self.read(cursor, numel).view(sizes)
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default planner; a `RangeChunks` entry answers with its boxes."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        entry = self.state_dict.get(index.fqn)
+        if isinstance(entry, RangeChunks):
+            return entry.box(index.offset)[1]
+        return super().lookup_object(index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner; a `RangeChunks` entry receives into its boxes (disk-backed ones are written
+    back when a read into them lands)."""
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        entry = self.state_dict.get(index.fqn)
+        if isinstance(entry, RangeChunks):
+            cursor, tensor = entry.box(index.offset)
+            if entry.write is not None:
+                self._pending[(index.fqn, tuple(index.offset or ()))] = (entry, cursor, tensor)
+            return tensor
+        return super().lookup_tensor(index)
+
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        # DCP's set-up rewrites every value it does not know as None (in place): keep ours aside.
+        ours = {key: value for key, value in state_dict.items() if isinstance(value, RangeChunks)}
+        super().set_up_planner(state_dict, *args, **kwargs)
+        state_dict.update(ours)
+        self.state_dict.update(ours)
+        self._pending: dict[tuple[str, tuple[int, ...]], tuple[RangeChunks, int, torch.Tensor]] = {}
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            entry, cursor, box = pending
+            assert entry.write is not None
+            entry.write(cursor, box.reshape(-1))

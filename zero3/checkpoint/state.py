@@ -1,0 +1,236 @@
+"""What an engine's checkpoint holds, and how it is saved and loaded (torch.distributed.checkpoint).
+
+Per parameter, under its own name and global shape (see [Note: checkpoint
+chunks]): `model.<name>` is the fp32 master, or, for a parameter with no
+master (frozen, or an engine without an optimizer), the 16-bit values, which
+then cannot be derived; `optim.<name>.exp_avg` / `.exp_avg_sq` are Adam's
+moments and `optim.<name>.step` its step count. The 16-bit shards of trained
+parameters are not saved: a load writes them from the masters. The engine's
+own state (step counters, loss scaler, scheduler, the optimizer's type and
+hyperparameters, the client state, each file's checksum) goes into
+`zero3_engine.pt`, written last (see [Note: crash-safe tags]).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
+from zero3.checkpoint.tags import (
+    ENGINE_FILE, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
+)
+from zero3.partition.flat_buffer import Slot
+from zero3.partition.layout import shard_range
+from zero3.partition.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from zero3.runtime.engine import ZeroEngine
+
+log = logging.getLogger("zero3")
+
+FORMAT = 1
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
+    start, end = shard_range(sp.numel, sp.world_size, sp.rank)
+    shape = tuple(sp.shape)
+    buffer = slot.buffer
+    if buffer.store is None:
+        return RangeChunks(shape, dtype, start, end, values=slot.view()[: end - start])
+
+    def read(offset: int, numel: int) -> torch.Tensor:
+        return buffer.read_range(slot.offset + offset, numel)
+
+    def write(offset: int, values: torch.Tensor) -> None:
+        buffer.write_range(slot.offset + offset, values)
+
+    return RangeChunks(shape, dtype, start, end, read=read, write=write)
+
+
+def entries(engine: ZeroEngine, optimizer_states: bool) -> dict[str, Any]:
+    """This rank's state-dict for DCP (views of the engine's buffers where they are in memory)."""
+    out: dict[str, Any] = {}
+    optimizer = engine.optimizer
+    for sp in engine.sharded_params:
+        if optimizer is not None and sp.hp_slot is not None:
+            out[f"model.{sp.name}"] = _chunks(sp, sp.hp_slot, torch.float32)
+            if optimizer_states:
+                for name in MOMENTS:
+                    out[f"optim.{sp.name}.{name}"] = _chunks(sp, sp.optim_slots[name], torch.float32)
+                out[f"optim.{sp.name}.step"] = optimizer.step_count(sp).clone()
+        else:
+            assert sp.lp_slot is not None
+            out[f"model.{sp.name}"] = _chunks(sp, sp.lp_slot, sp.dtype)
+    return out
+
+
+def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    return {
+        "format": FORMAT,
+        "world_size": engine.world_size,
+        "compute_dtype": str(engine.compute_dtype),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer": None if optimizer is None else {
+            "type": type(optimizer.optimizer).__name__,
+            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+        },
+        "params": {sp.name: list(sp.shape) for sp in engine.sharded_params},
+        "client_state": client_state,
+    }
+
+
+def save(
+    engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None, client_state: Any,
+    save_latest: bool, keep_last: int | None,
+) -> Path:
+    """Every rank writes its own pieces; rank 0 publishes the tag once all are complete (collective)."""
+    comm = engine.comm
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r}: expected a positive number of tags to keep, or None")
+    tags = comm.all_gather_objects(tag)
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"the ranks asked for different checkpoint tags {tags}: every rank must pass the same")
+    root = Path(save_dir)
+    staged = staging_dir(root, tag)
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staged, ignore_errors=True)  # what an interrupted save of this tag left
+        staged.mkdir()
+    comm.barrier()
+    dcp.save(
+        entries(engine, optimizer_states=engine.optimizer is not None),
+        storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=comm.control_group,
+    )
+    files: dict[str, tuple[int, int]] = {}
+    for sums in comm.all_gather_objects(checksums(dcp_files(staged, comm.rank))):
+        files.update(sums)
+    if comm.rank == 0:
+        state = _engine_state(engine, client_state) | {"files": files}
+        temporary = staged / f".{ENGINE_FILE}.tmp"
+        torch.save(state, temporary)
+        os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
+        publish(root, tag, save_latest)
+        if keep_last is not None:
+            removed = prune(root, keep_last, tag)
+            if removed:
+                log.info("checkpoint: removed tags %s (keep_last=%d)", removed, keep_last)
+    comm.barrier()
+    return root / tag
+
+
+def _read_engine_state(path: Path) -> dict[str, Any]:
+    file = path / ENGINE_FILE
+    try:
+        state = torch.load(file, weights_only=False, map_location="cpu")
+    except Exception as error:  # noqa: BLE001 - any failure to read it is a damaged file
+        raise CheckpointError(f"{str(file)!r} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{str(file)!r} is not a zero3 checkpoint of format {FORMAT}")
+    return state
+
+
+def _misfits(path: Path, wanted: dict[str, Any], strict: bool) -> list[str]:
+    """Names and shapes that differ between the checkpoint and this engine, one line each."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001
+        raise CheckpointError(f"{str(path / '.metadata')!r} cannot be read ({type(error).__name__}: {error})") from None
+    saved = metadata.state_dict_metadata
+    problems = []
+    for key, entry in wanted.items():
+        meta = saved.get(key)
+        if meta is None:
+            if strict or not key.startswith("model."):
+                problems.append(f"{key}: in this model, not in the checkpoint")
+            continue
+        if isinstance(entry, RangeChunks):
+            if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != entry.shape:
+                size = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "not a tensor"
+                problems.append(f"{key}: shape {list(entry.shape)} here, {list(size) if size != 'not a tensor' else size} "
+                                "in the checkpoint")
+        elif isinstance(meta, BytesStorageMetadata):
+            problems.append(f"{key}: a tensor here, not in the checkpoint")
+    if strict:
+        problems += [
+            f"{key}: in the checkpoint, not in this model"
+            for key in saved if key.startswith("model.") and key not in wanted
+        ]
+    return problems
+
+
+def load(
+    engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
+    load_lr_scheduler_states: bool, load_module_only: bool, strict: bool,
+) -> tuple[str, Any]:
+    """Check everything, then read into the engine's buffers (collective). Returns (path, client_state)."""
+    comm = engine.comm
+    path = resolve(load_dir, tag)
+    state = _read_engine_state(path)
+    optimizer = engine.optimizer
+    with_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
+    if with_optimizer:
+        assert optimizer is not None
+        saved = state["optimizer"]
+        here = type(optimizer.optimizer).__name__
+        if saved is None or saved["type"] != here:
+            raise CheckpointError(
+                f"{str(path / ENGINE_FILE)!r}: the checkpoint's optimizer is {saved and saved['type']}, this engine's "
+                f"is {here} (pass load_optimizer_states=False to load only the parameters)"
+            )
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"{str(path / ENGINE_FILE)!r}: the checkpoint has {len(saved['param_groups'])} optimizer parameter "
+                f"groups, this engine {len(optimizer.param_groups)}"
+            )
+    wanted = entries(engine, optimizer_states=with_optimizer)
+    problems = _misfits(path, wanted, strict)
+    if problems:
+        raise CheckpointError(
+            f"the checkpoint {str(path)!r} does not fit this model ({len(problems)} differences):\n  "
+            + "\n  ".join(problems)
+        )
+    # Every file's checksum, the work split across ranks, before anything changes.
+    names = sorted(state["files"])
+    found = [line for lines in comm.all_gather_objects(
+        damaged(path, state["files"], names[comm.rank :: comm.world_size])) for line in lines]
+    if found:
+        raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
+    if not strict:
+        present = FileSystemReader(path).read_metadata().state_dict_metadata
+        wanted = {key: value for key, value in wanted.items() if key in present}
+
+    dcp.load(wanted, storage_reader=FileSystemReader(path), planner=LoadPlanner(), process_group=comm.control_group)
+
+    if optimizer is not None:
+        if with_optimizer:
+            for sp in optimizer.params:
+                optimizer.set_step_count(sp, wanted[f"optim.{sp.name}.step"])
+            for group, saved_group in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+                group.update(saved_group)
+        optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters
+        optimizer.repair_lp()
+    engine._refresh_gathered()
+    if not load_module_only:
+        engine.global_steps = state["global_steps"]
+        engine.micro_steps = state["micro_steps"]
+        engine.skipped_steps = state["skipped_steps"]
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    return str(path), state["client_state"]

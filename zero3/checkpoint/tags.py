@@ -1,0 +1,147 @@
+"""A checkpoint directory: tags, the `latest` marker, completeness, checksums, pruning.
+
+[Note: crash-safe tags]
+`save_dir/<tag>/` holds DCP's files (one or more `__<rank>_<n>.distcp` per
+rank, and `.metadata`) and `zero3_engine.pt`, the engine's own state with a
+CRC-32 of every DCP file. A save writes into `save_dir/.<tag>.incomplete/`;
+only after every rank's files are written and checksummed does rank 0 write
+`zero3_engine.pt` into it (last, by rename), move the directory to `<tag>`
+(an older `<tag>` is moved aside first and removed after), and then replace
+`latest` (a temporary file renamed over it). A rank killed at any point
+before that leaves `latest` naming the previous complete tag. `keep_last`
+removes older complete tags, oldest first, only after `latest` names the new
+one. A load checks the files against their checksums before it changes any
+state, so a truncated or corrupted file is reported, naming it, and the live
+engine keeps its state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+ENGINE_FILE = "zero3_engine.pt"
+LATEST = "latest"
+INCOMPLETE = ".incomplete"
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*")
+_CRC_CHUNK = 16 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded as asked; the message names the file and the problem."""
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag.endswith(INCOMPLETE) or tag == LATEST:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r}: expected a name of letters, digits and _ . = + - (not starting with "
+            f"a dot, not {LATEST!r})"
+        )
+    return tag
+
+
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}{INCOMPLETE}"
+
+
+def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    """The complete tag directory to load: `tag`, or the one `latest` names."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(root)!r} does not exist")
+    if tag is None:
+        marker = root / LATEST
+        if not marker.is_file():
+            raise CheckpointError(
+                f"{str(marker)!r} does not exist: no complete checkpoint was saved in {str(root)!r} "
+                "(or pass tag=)"
+            )
+        tag = marker.read_text().strip()
+    path = root / check_tag(tag)
+    if not path.is_dir():
+        have = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        raise CheckpointError(f"checkpoint tag {tag!r} not found in {str(root)!r} (tags there: {have})")
+    if not (path / ENGINE_FILE).is_file():
+        raise CheckpointError(f"{str(path / ENGINE_FILE)!r} is missing: the save of tag {tag!r} did not complete")
+    return path
+
+
+def dcp_files(path: Path, rank: int | None = None) -> list[Path]:
+    """DCP's data files in `path` (one rank's, or all), sorted."""
+    pattern = f"__{rank}_*.distcp" if rank is not None else "__*_*.distcp"
+    return sorted(path.glob(pattern))
+
+
+def crc32(path: Path) -> int:
+    value = 0
+    with open(path, "rb", buffering=0) as source:
+        while chunk := source.read(_CRC_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def checksums(files: list[Path]) -> dict[str, tuple[int, int]]:
+    """name -> (bytes, CRC-32)."""
+    return {f.name: (f.stat().st_size, crc32(f)) for f in files}
+
+
+def damaged(path: Path, expected: dict[str, tuple[int, int]], names: list[str]) -> list[str]:
+    """Problems with these files of a tag, one line each (a missing, truncated or corrupted file)."""
+    problems = []
+    for name in names:
+        file = path / name
+        size, crc = expected[name]
+        if not file.is_file():
+            problems.append(f"{str(file)!r} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{str(file)!r} has {file.stat().st_size} bytes, {size} were written (truncated?)")
+        elif crc32(file) != crc:
+            problems.append(f"{str(file)!r} does not match the checksum taken when it was written (corrupted)")
+    return problems
+
+
+def publish(save_dir: Path, tag: str, write_latest: bool = True) -> Path:
+    """Rank 0, once every rank's files are complete: the staged tag becomes `tag`, then `latest` names it."""
+    staged, final = staging_dir(save_dir, tag), save_dir / tag
+    old = save_dir / f".{tag}.replaced"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staged.rename(final)
+    if write_latest:
+        write_atomically(save_dir / LATEST, tag)
+    shutil.rmtree(old, ignore_errors=True)
+    _sync_directory(save_dir)
+    return final
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+
+
+def prune(save_dir: Path, keep_last: int, newest: str) -> list[str]:
+    """Remove complete tags beyond the newest `keep_last` (by completion time); returns the removed tags."""
+    tags = [p for p in save_dir.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / ENGINE_FILE).is_file()]
+    tags.sort(key=lambda p: (p.name == newest, (p / ENGINE_FILE).stat().st_mtime_ns))
+    removed = []
+    for path in tags[: max(len(tags) - keep_last, 0)]:
+        if path.name != newest:
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
