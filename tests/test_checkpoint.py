@@ -171,3 +171,154 @@ def test_a_world_3_checkpoint_loads_at_world_2(tmp_path: Path) -> None:
     os.rename(os.path.join(root, "three"), os.path.join(root, "fp32"))
     got = mean_per_step(run_ranks(2, reshard, root))
     assert torch.allclose(got, full[SAVED_AT:], rtol=1e-5, atol=1e-6), (got, full)
+
+
+# ---- 5: crash safety and keep_last ------------------------------------------------------------------------
+def crashing_save(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO3_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    from zero3.checkpoint import state
+
+    engine = build("fp32", root)
+    train(engine, rank, world, data()[:1])
+    engine.save_checkpoint(os.path.join(root, "run"), tag="a")
+    train(engine, rank, world, data()[1:2])
+    if rank == 1:  # dies after its DCP files are written, before the tag is published
+        state.checksums = lambda files: os._exit(3)  # type: ignore[assignment]
+    engine.save_checkpoint(os.path.join(root, "run"), tag="b")
+
+
+def continue_from_latest(rank: int, world: int, root: str) -> dict:
+    engine = build("fp32", root, seed=99)
+    path, _ = engine.load_checkpoint(os.path.join(root, "run"))
+    out = {"path": path, "steps": engine.global_steps, "losses": train(engine, rank, world, data()[1:3])}
+    engine.destroy()
+    return out
+
+
+def uninterrupted(rank: int, world: int, root: str) -> list[float]:
+    engine = build("fp32", root)
+    losses = train(engine, rank, world, data()[:3])
+    engine.destroy()
+    return losses[1:]
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+    from tests.distributed import free_port
+
+    root = str(tmp_path)
+    with pytest.raises(mp.ProcessExitedException):
+        mp.start_processes(crashing_save, args=(2, free_port(), root), nprocs=2, join=True, start_method="spawn")
+    run = tmp_path / "run"
+    assert (run / "latest").read_text() == "a"
+    assert not (run / "b").exists() and (run / ".b.incomplete").is_dir()
+    results = run_ranks(2, continue_from_latest, root)
+    expected = run_ranks(2, uninterrupted, root)
+    for result, losses in zip(results, expected):
+        assert result["path"] == str(run / "a") and result["steps"] == 1
+        assert result["losses"] == losses
+
+
+def keep_and_mark(rank: int, world: int, root: str) -> dict:
+    engine = build("fp32", root)
+    seen = {}
+    for index, batch in enumerate(data()[:4]):
+        train(engine, rank, world, [batch])
+        engine.save_checkpoint(root, tag=f"t{index}", keep_last=2)
+        seen[f"t{index}"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
+    engine.save_checkpoint(root, tag="side", save_latest=False)
+    seen["side"] = open(os.path.join(root, "latest")).read()
+    try:
+        engine.save_checkpoint(root, tag="../escape")
+    except zero3.CheckpointError as error:
+        seen["bad_tag"] = str(error)
+    engine.destroy()
+    return seen
+
+
+def test_keep_last_removes_older_tags_only_after_the_new_one_is_complete(tmp_path: Path) -> None:
+    (seen, _) = run_ranks(2, keep_and_mark, str(tmp_path))
+    assert seen["t0"] == ["latest", "t0"]
+    assert seen["t1"] == ["latest", "t0", "t1"]
+    assert seen["t3"] == ["latest", "t2", "t3"]
+    assert seen["side"] == "t3"  # save_latest=False leaves the marker alone
+    assert "'../escape'" in seen["bad_tag"]
+
+
+# ---- 8: bad input leaves the engine as it was -------------------------------------------------------------
+def snapshot(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        out[f"{name}/hp"] = zero3.safe_get_local_fp32_param(p).clone()
+        out[f"{name}/lp"] = zero3.safe_get_local_lp_param(p).clone()
+        out[f"{name}/m"] = zero3.safe_get_local_optimizer_state(p, "exp_avg").clone()
+    return out
+
+
+def bad_loads(rank: int, world: int, root: str, good: str) -> dict:
+    import shutil
+
+    cases: dict[str, tuple[Any, str, dict]] = {}
+    damaged = os.path.join(root, "damaged")
+    if rank == 0:
+        shutil.copytree(good, os.path.join(damaged, "trunc", "global_step3"))
+        shutil.copytree(good, os.path.join(damaged, "flip", "global_step3"))
+        shutil.copytree(good, os.path.join(damaged, "unfinished", "global_step3"))
+        with open(os.path.join(damaged, "trunc", "global_step3", "__1_0.distcp"), "r+b") as f:
+            f.truncate(100)
+        with open(os.path.join(damaged, "flip", "global_step3", "__0_0.distcp"), "r+b") as f:
+            f.seek(300)
+            byte = f.read(1)
+            f.seek(300)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.remove(os.path.join(damaged, "unfinished", "global_step3", "zero3_engine.pt"))
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    ckpt = os.path.dirname(good)
+    cases = {
+        "no_dir": ({}, os.path.join(root, "absent"), {}),
+        "no_tag": ({}, ckpt, {"tag": "global_step99"}),
+        "bigger_model": ({"layers": 3}, ckpt, {}),
+        "other_vocab": ({"vocab": 80}, ckpt, {}),
+        "truncated": ({}, os.path.join(damaged, "trunc"), {"tag": "global_step3"}),
+        "corrupted": ({}, os.path.join(damaged, "flip"), {"tag": "global_step3"}),
+        "unfinished": ({}, os.path.join(damaged, "unfinished"), {"tag": "global_step3"}),
+        "adam": ({}, ckpt, {}),
+    }
+    out: dict[str, Any] = {}
+    for case, (model_args, where, kwargs) in cases.items():
+        cfg = config("fp32", root)
+        if case == "adam":
+            cfg["optimizer"] = {"type": "Adam", "params": {"lr": 3e-3, "adam_w_mode": False}}  # L2, not AdamW
+        torch.manual_seed(5)
+        engine, *_ = zero3.initialize(model=models.TiedTransformer(**model_args), config=cfg)
+        train(engine, rank, world, data()[:1])
+        before, steps = snapshot(engine), engine.global_steps
+        try:
+            engine.load_checkpoint(where, **kwargs)
+            out[case] = "no error"
+        except zero3.CheckpointError as error:
+            out[case] = str(error)
+        after = snapshot(engine)
+        out[f"{case}/unchanged"] = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
+        engine.destroy()
+    return out
+
+
+def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(
+    saved: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
+    out = run_ranks(2, bad_loads, str(tmp_path), good)[0]
+    for case in ("no_dir", "no_tag", "bigger_model", "other_vocab", "truncated", "corrupted", "unfinished", "adam"):
+        assert out[f"{case}/unchanged"], case
+    assert "does not exist" in out["no_dir"] and "absent" in out["no_dir"]
+    assert "'global_step99' not found" in out["no_tag"] and "global_step3" in out["no_tag"]
+    assert "model.blocks.2.qkv.weight: in this model, not in the checkpoint" in out["bigger_model"]
+    assert "model.embed.weight: shape [80, 32] here, [64, 32] in the checkpoint" in out["other_vocab"]
+    assert "__1_0.distcp" in out["truncated"] and "truncated" in out["truncated"]
+    assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
+    assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
+    assert "optimizer is AdamW" in out["adam"] and "Adam" in out["adam"]
