@@ -322,3 +322,51 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(
     assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
     assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
     assert "optimizer is AdamW" in out["adam"] and "Adam" in out["adam"]
+
+
+# ---- 6: async save ----------------------------------------------------------------------------------------
+def async_job(rank: int, world: int, root: str) -> dict:
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    may_write = threading.Event()
+    real_save = dcp.save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        may_write.wait(timeout=120)  # the files are written only after training moved on
+        return real_save(*args, **kwargs)
+
+    dcp.save = held_save  # type: ignore[assignment]
+    run = os.path.join(root, "async")
+    engine = build("fp32", root)
+    train(engine, rank, world, data()[:SAVED_AT])
+    engine.save_checkpoint(run, async_save=True)
+    returned_before_written = not os.path.exists(os.path.join(run, "latest"))
+    losses = train(engine, rank, world, data()[SAVED_AT:])  # changes every master while the save waits
+    may_write.set()
+    engine.save_checkpoint(run, tag="end", async_save=True)  # waits for the first, then starts its own
+    first_done = open(os.path.join(run, "latest")).read() if rank == 0 else None
+    engine.destroy()  # waits for the second
+    dcp.save = real_save  # type: ignore[assignment]
+    return {"returned_before_written": returned_before_written, "losses": losses, "first_done": first_done,
+            "latest": open(os.path.join(run, "latest")).read()}
+
+
+def resume_async(rank: int, world: int, root: str) -> list[float]:
+    engine = build("fp32", root, seed=99)
+    engine.load_checkpoint(os.path.join(root, "async"), tag=f"global_step{SAVED_AT}")
+    losses = train(engine, rank, world, data()[SAVED_AT:])
+    engine.destroy()
+    return losses
+
+
+def test_async_save_returns_once_staged_and_holds_the_state_of_the_moment_it_was_called(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    results = run_ranks(2, async_job, root)
+    assert all(r["returned_before_written"] for r in results)
+    assert results[0]["first_done"] == f"global_step{SAVED_AT}"
+    assert all(r["latest"] == "end" for r in results)  # destroy() waited for the last save
+    resumed = run_ranks(2, resume_async, root)
+    for result, again in zip(results, resumed):
+        assert again == result["losses"]

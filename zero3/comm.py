@@ -81,6 +81,7 @@ class Communicator:
         self.reduce_group: dist.ProcessGroup | None = group
         self.control_group: dist.ProcessGroup | None = group
         self._side_groups: list[dist.ProcessGroup] = []
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     def open_side_groups(self) -> None:
         if self.world_size == 1 or self._side_groups:
@@ -94,6 +95,7 @@ class Communicator:
     def close(self) -> None:
         """Destroy the side groups (every rank calls this, as it called `open_side_groups`)."""
         groups, self._side_groups = self._side_groups, []
+        self._checkpoint_group = None
         _forget_released()
         self.reduce_group = self.control_group = self.group
         if dist.is_initialized():
@@ -139,18 +141,29 @@ class Communicator:
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
 
-    def all_gather_objects(self, value: Any) -> list[Any]:
-        """Every rank's picklable `value`, in rank order (on the gloo control group: between steps only)."""
+    def all_gather_objects(self, value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+        """Every rank's picklable `value`, in rank order (default: the gloo control group, between steps)."""
         if self.world_size == 1:
             return [value]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.control_group)
+        dist.all_gather_object(out, value, group=group or self.control_group)
         return out
 
-    def barrier(self) -> None:
-        """Every rank has reached this point (on the gloo control group: between steps only)."""
+    def barrier(self, group: dist.ProcessGroup | None = None) -> None:
+        """Every rank has reached this point (default: the gloo control group, between steps)."""
         if self.world_size > 1:
-            dist.barrier(group=self.control_group)
+            dist.barrier(group=group or self.control_group)
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own for checkpoint writes that run while training goes on (made on first
+        use: every rank must ask at the same point, as a save does)."""
+        if self.world_size == 1:
+            return self.group
+        if self._checkpoint_group is None:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+            self._checkpoint_group = dist.new_group(ranks=ranks, backend="gloo")
+            self._side_groups.append(self._checkpoint_group)
+        return self._checkpoint_group
 
     @staticmethod
     def forget_released() -> None:

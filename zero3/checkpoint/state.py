@@ -13,9 +13,12 @@ hyperparameters, the client state, each file's checksum) goes into
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,8 @@ from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.tags import (
     ENGINE_FILE, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
 )
+from zero3.comm import Communicator
+from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.layout import shard_range
 from zero3.partition.sharded_param import ShardedParam
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zero3")
 
 FORMAT = 1
+STAGING = "ckpt-staging:"  # host-pool keys of an async save's copies
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -96,9 +102,13 @@ def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
 
 def save(
     engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None, client_state: Any,
-    save_latest: bool, keep_last: int | None,
-) -> Path:
-    """Every rank writes its own pieces; rank 0 publishes the tag once all are complete (collective)."""
+    save_latest: bool, keep_last: int | None, executor: ThreadPoolExecutor | None = None,
+) -> Future[Path] | Path:
+    """Every rank writes its own pieces; rank 0 publishes the tag once all are complete (collective).
+
+    With an `executor` (async save) the state is first staged in host memory, the writing runs
+    there on a gloo group of its own, and a Future is returned; else the path, once published.
+    """
     comm = engine.comm
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -107,31 +117,70 @@ def save(
     if len(set(tags)) > 1:
         raise CheckpointError(f"the ranks asked for different checkpoint tags {tags}: every rank must pass the same")
     root = Path(save_dir)
-    staged = staging_dir(root, tag)
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staged, ignore_errors=True)  # what an interrupted save of this tag left
-        staged.mkdir()
+        shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
+        staging_dir(root, tag).mkdir()
     comm.barrier()
-    dcp.save(
-        entries(engine, optimizer_states=engine.optimizer is not None),
-        storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=comm.control_group,
-    )
-    files: dict[str, tuple[int, int]] = {}
-    for sums in comm.all_gather_objects(checksums(dcp_files(staged, comm.rank))):
-        files.update(sums)
+    # The engine's own state is taken now (an async write must not see later steps).
+    engine_state = io.BytesIO()
     if comm.rank == 0:
-        state = _engine_state(engine, client_state) | {"files": files}
-        temporary = staged / f".{ENGINE_FILE}.tmp"
-        torch.save(state, temporary)
-        os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
-        publish(root, tag, save_latest)
-        if keep_last is not None:
-            removed = prune(root, keep_last, tag)
-            if removed:
-                log.info("checkpoint: removed tags %s (keep_last=%d)", removed, keep_last)
-    comm.barrier()
-    return root / tag
+        torch.save(_engine_state(engine, client_state), engine_state)
+    live = entries(engine, optimizer_states=engine.optimizer is not None)
+    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last)
+    if executor is None:
+        return job.run(comm, live, comm.control_group)
+    staged = _stage(live, engine.host_pool)
+    group = comm.checkpoint_group()
+    return executor.submit(job.run, comm, staged, group)
+
+
+def _stage(live: dict[str, Any], pool: HostBufferPool) -> dict[str, Any]:
+    """Host copies of every entry (pinned beside a GPU), so training may change the originals."""
+    staged: dict[str, Any] = {}
+    for key, entry in live.items():
+        if isinstance(entry, RangeChunks):
+            numel = entry.end - entry.start
+            host = pool.get(f"{STAGING}{key}", numel, entry.dtype, pin=True)
+            source = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
+            host.copy_(source, non_blocking=host.is_pinned())
+            staged[key] = RangeChunks(entry.shape, entry.dtype, entry.start, entry.end, values=host)
+        else:
+            staged[key] = entry.detach().to("cpu", copy=True)
+    if torch.cuda.is_available() and any(isinstance(e, RangeChunks) and e.values is not None and e.values.is_cuda
+                                         for e in live.values()):
+        torch.cuda.synchronize()  # the pinned copies have landed before the originals may change
+    return staged
+
+
+@dataclass
+class _Write:
+    """Writing one tag once its entries are fixed: DCP's files, their checksums, then the publication."""
+
+    root: Path
+    tag: str
+    engine_state: bytes  # rank 0's serialized engine state (empty elsewhere)
+    save_latest: bool
+    keep_last: int | None
+
+    def run(self, comm: Communicator, state: dict[str, Any], group: Any) -> Path:
+        staged = staging_dir(self.root, self.tag)
+        dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
+        files: dict[str, tuple[int, int]] = {}
+        for sums in comm.all_gather_objects(checksums(dcp_files(staged, comm.rank)), group):
+            files.update(sums)
+        if comm.rank == 0:
+            engine_state = torch.load(io.BytesIO(self.engine_state), weights_only=False)
+            temporary = staged / f".{ENGINE_FILE}.tmp"
+            torch.save(engine_state | {"files": files}, temporary)
+            os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
+            publish(self.root, self.tag, self.save_latest)
+            if self.keep_last is not None:
+                removed = prune(self.root, self.keep_last, self.tag)
+                if removed:
+                    log.info("checkpoint: removed tags %s (keep_last=%d)", removed, self.keep_last)
+        comm.barrier(group)
+        return self.root / self.tag
 
 
 def _read_engine_state(path: Path) -> dict[str, Any]:

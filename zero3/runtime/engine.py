@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -133,6 +134,8 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
+        self._checkpoint_writer: ThreadPoolExecutor | None = None  # async saves (one at a time)
+        self._pending_checkpoint: Future[Any] | None = None
         self._destroyed = False
 
     # ---- construction ------------------------------------------------------------
@@ -381,6 +384,7 @@ class ZeroEngine:
         client_state: Any = None,
         save_latest: bool = True,
         keep_last: int | None = None,
+        async_save: bool = False,
     ) -> bool:
         """Save this engine to `save_dir/<tag>` (default tag: global_step<N>); collective, every rank calls it.
 
@@ -388,16 +392,36 @@ class ZeroEngine:
         Adam state (torch.distributed.checkpoint); no rank gathers the model.
         `client_state` (any picklable object) comes back from load_checkpoint.
         `latest` names the tag once every rank's files are complete (unless
-        `save_latest=False`); `keep_last=N` then removes older tags.
+        `save_latest=False`); `keep_last=N` then removes older tags. With
+        `async_save=True` it returns once the state is copied to host memory
+        and the files are written in the background; the next save, load or
+        `destroy()` waits for them (and raises if they failed).
         """
         self._check_alive()
         self._check_between_steps("save_checkpoint")
+        self.wait_for_checkpoint()
         self._finish_backward()
         self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
         if self.optimizer is not None and any(sp.has_grad for sp in self.optimizer.params):
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
-        checkpoint_state.save(self, save_dir, tag, client_state, save_latest, keep_last)
+        if async_save and self._checkpoint_writer is None:
+            self._checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
+        written = checkpoint_state.save(
+            self, save_dir, tag, client_state, save_latest, keep_last, self._checkpoint_writer if async_save else None
+        )
+        if isinstance(written, Future):
+            self._pending_checkpoint = written
         return True
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an async save still writing (raises its error, if it failed)."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        finally:
+            self.host_pool.drop(checkpoint_state.STAGING)
 
     def load_checkpoint(
         self,
@@ -418,6 +442,7 @@ class ZeroEngine:
         """
         self._check_alive()
         self._check_between_steps("load_checkpoint")
+        self.wait_for_checkpoint()
         self._finish_backward()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.coordinator.release_all()
@@ -535,6 +560,14 @@ class ZeroEngine:
         """Remove every hook and free every buffer. The engine is unusable afterwards."""
         if self._destroyed:
             return
+        checkpoint_error: BaseException | None = None
+        try:
+            self.wait_for_checkpoint()
+        except Exception as error:  # noqa: BLE001 - raised once the engine is torn down
+            checkpoint_error = error
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.shutdown(wait=True)
+            self._checkpoint_writer = None
         self.offloader.close()
         self.coordinator.release_all()
         self.coordinator.remove()
@@ -576,3 +609,5 @@ class ZeroEngine:
         self._destroyed = True
         accelerator.synchronize(self.device)
         self.comm.close()
+        if checkpoint_error is not None:
+            raise checkpoint_error
