@@ -370,3 +370,115 @@ def test_async_save_returns_once_staged_and_holds_the_state_of_the_moment_it_was
     resumed = run_ranks(2, resume_async, root)
     for result, again in zip(results, resumed):
         assert again == result["losses"]
+
+
+# ---- 7: weights users can take away -----------------------------------------------------------------------
+def plain_loss(state: dict[str, torch.Tensor] | str, batch: tuple, rank: int, world: int) -> float:
+    from safetensors.torch import load_model
+
+    model = models.TiedTransformer()
+    if isinstance(state, str):
+        load_model(model, state)  # restores the tied head from the embedding
+    else:
+        model.load_state_dict(state, strict=False)
+        model.head.weight = model.embed.weight
+    x, y = batch
+    with torch.no_grad():
+        return model(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+
+
+def live_export(rank: int, world: int, root: str) -> dict:
+    out: dict[str, Any] = {}
+    for variant in ("fp32", "bf16"):
+        engine = build(variant, root)
+        train(engine, rank, world, data()[:2])
+        target = os.path.join(root, f"live-{variant}")
+        engine.save_16bit_model(target)
+        x, y = data()[2]
+        with torch.no_grad():
+            out[variant] = {"engine": engine(x.chunk(world)[rank], y.chunk(world)[rank]).item()}
+        out[variant]["plain"] = plain_loss(os.path.join(target, "model.safetensors"), data()[2], rank, world)
+        engine.destroy()
+    return out
+
+
+def test_save_16bit_model_writes_weights_a_plain_module_loads_with_the_engines_outputs(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    results = run_ranks(2, live_export, str(tmp_path))
+    for result in results:
+        assert result["fp32"]["plain"] == pytest.approx(result["fp32"]["engine"], rel=1e-6)
+        # bf16 weights in a fp32 module compute in fp32: close to the engine's bf16 forward, not equal
+        assert result["bf16"]["plain"] == pytest.approx(result["bf16"]["engine"], rel=2e-2)
+    with safe_open(str(tmp_path / "live-bf16" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("embed.weight").dtype == torch.bfloat16
+    assert "embed.weight" in keys and "head.weight" not in keys  # the tied weight is written once
+    assert keys == {n for n, _ in models.TiedTransformer().named_parameters()}
+
+
+def test_zero3_export_writes_one_file_or_hf_shards_from_a_checkpoint(saved: tuple[str, list[dict]], tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root, before = saved
+    ckpt = os.path.join(root, "fp32")
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    for out, extra in ((whole, []), (sharded, ["--max-shard-size", "40KB"])):
+        proc = subprocess.run([sys.executable, "-m", "zero3.cli", "export", ckpt, str(out), *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    # The exported step-3 weights give the loss the engine computed at step 4 (on each rank's rows).
+    for rank, result in enumerate(before):
+        expected = result["fp32"]["losses"][SAVED_AT]
+        assert plain_loss(str(whole / "model.safetensors"), data()[SAVED_AT], rank, 2) == pytest.approx(expected, rel=1e-5)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in sharded.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    state: dict[str, torch.Tensor] = {}
+    for name in shards:
+        part = load_file(str(sharded / name))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 40_000 or len(part) == 1
+        state.update(part)
+    assert plain_loss(state, data()[SAVED_AT], 0, 2) == pytest.approx(before[0]["fp32"]["losses"][SAVED_AT], rel=1e-5)
+    bad = subprocess.run([sys.executable, "-m", "zero3.cli", "export", str(tmp_path / "nope"), str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def llama_job(rank: int, world: int, root: str) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero3.initialize(model=model, config=cfg)
+    batch = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(3))
+    mine = batch.chunk(world)[rank]
+    for _ in range(2):
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+    target = os.path.join(root, "llama")
+    engine.save_16bit_model(target, max_shard_size="30KB")
+    if rank == 0:
+        config.save_pretrained(target)
+    engine.comm.barrier()
+    with torch.no_grad():
+        logits = engine(input_ids=mine).logits
+    loaded = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        plain = loaded(input_ids=mine).logits
+    engine.destroy()
+    return {"max_diff": (plain - logits).abs().max().item(), "files": sorted(os.listdir(target))}
+
+
+def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(tmp_path: Path) -> None:
+    for result in run_ranks(2, llama_job, str(tmp_path)):
+        assert result["max_diff"] < 1e-5
+        assert "model.safetensors.index.json" in result["files"]

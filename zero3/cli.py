@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         # Keep the epilog's one-option-per-line layout.
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="zero3: a ZeRO stage-3 training engine for PyTorch. "
-        "This command runs its built-in demo.",
+        "`zero3 train` runs its built-in demo; `zero3 export` writes a checkpoint's weights as safetensors.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser(
@@ -129,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
                       "options (its values win; if it sets any batch-size key or bf16/fp16, "
                       "it owns all of them)")
     train.set_defaults(handler=_cmd_train)
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's weights as safetensors (one process, no GPU)",
+        description="Write the weights of a zero3 checkpoint (saved at any world size) as safetensors: "
+        "one file, or Hugging Face's sharded layout above --max-shard-size. Memory holds one shard's worth "
+        "of tensors at a time.",
+    )
+    export.add_argument("checkpoint_dir", help="the save_checkpoint directory (its `latest` tag unless --tag)")
+    export.add_argument("out_dir", help="where the safetensors files go")
+    export.add_argument("--tag", default=None, help="the tag to export (default: the one `latest` names)")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="dtype of the floating-point weights")
+    export.add_argument("--max-shard-size", default="5GB", help="largest file before sharding, e.g. 5GB, 500MB")
+    export.set_defaults(handler=_cmd_export)
     parser.epilog = _options_summary(train)
     return parser
 
@@ -144,6 +158,21 @@ def _options_summary(sub: argparse.ArgumentParser) -> str:
                 initial_indent="  ", subsequent_indent=" " * 27,
             ))
     return "\n".join(lines)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from zero3.checkpoint.export import export
+    from zero3.checkpoint.tags import CheckpointError
+    from zero3.checkpoint.weights import parse_size
+
+    try:
+        written = export(args.checkpoint_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.tag)
+    except (CheckpointError, ValueError) as error:
+        print(f"zero3 export: {error}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

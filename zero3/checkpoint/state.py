@@ -77,7 +77,15 @@ def entries(engine: ZeroEngine, optimizer_states: bool) -> dict[str, Any]:
         else:
             assert sp.lp_slot is not None
             out[f"model.{sp.name}"] = _chunks(sp, sp.lp_slot, sp.dtype)
+    for name, buffer in persistent_buffers(engine).items():
+        out[f"buffer.{name}"] = buffer  # whole on every rank: written once, loaded in place
     return out
+
+
+def persistent_buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """The module's buffers that belong in its state (never partitioned)."""
+    params = set(dict(engine.module.named_parameters(remove_duplicate=False)))
+    return {name: value for name, value in engine.module.state_dict().items() if name not in params}
 
 
 def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
@@ -96,6 +104,7 @@ def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         },
         "params": {sp.name: list(sp.shape) for sp in engine.sharded_params},
+        "buffers": list(persistent_buffers(engine)),
         "client_state": client_state,
     }
 
@@ -183,7 +192,7 @@ class _Write:
         return self.root / self.tag
 
 
-def _read_engine_state(path: Path) -> dict[str, Any]:
+def read_engine_state(path: Path) -> dict[str, Any]:
     file = path / ENGINE_FILE
     try:
         state = torch.load(file, weights_only=False, map_location="cpu")
@@ -205,7 +214,7 @@ def _misfits(path: Path, wanted: dict[str, Any], strict: bool) -> list[str]:
     for key, entry in wanted.items():
         meta = saved.get(key)
         if meta is None:
-            if strict or not key.startswith("model."):
+            if strict or not key.startswith(("model.", "buffer.")):
                 problems.append(f"{key}: in this model, not in the checkpoint")
             continue
         if isinstance(entry, RangeChunks):
@@ -218,7 +227,7 @@ def _misfits(path: Path, wanted: dict[str, Any], strict: bool) -> list[str]:
     if strict:
         problems += [
             f"{key}: in the checkpoint, not in this model"
-            for key in saved if key.startswith("model.") and key not in wanted
+            for key in saved if key.startswith(("model.", "buffer.")) and key not in wanted
         ]
     return problems
 
@@ -230,7 +239,7 @@ def load(
     """Check everything, then read into the engine's buffers (collective). Returns (path, client_state)."""
     comm = engine.comm
     path = resolve(load_dir, tag)
-    state = _read_engine_state(path)
+    state = read_engine_state(path)
     optimizer = engine.optimizer
     with_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
     if with_optimizer:

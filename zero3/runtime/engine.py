@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from zero3 import accelerator
 from zero3.checkpoint import state as checkpoint_state
+from zero3.checkpoint import weights as checkpoint_weights
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
@@ -411,6 +412,27 @@ class ZeroEngine:
         )
         if isinstance(written, Future):
             self._pending_checkpoint = written
+        return True
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+        max_shard_size: str | int = "5GB",
+    ) -> bool:
+        """Write the whole model's weights (in the compute dtype) as safetensors; collective.
+
+        Gathers one unit at a time; rank 0 writes. A tied weight is written
+        once. Above `max_shard_size` the files follow Hugging Face's sharded
+        layout (`model-00001-of-0000N.safetensors` and an index).
+        """
+        self._check_alive()
+        self._check_between_steps("save_16bit_model")
+        self._require_resident("save_16bit_model", (OffloadStateType.lp_params,))
+        shard_bytes = checkpoint_weights.parse_size(max_shard_size)
+        checkpoint_weights.save_live(self, save_dir, save_filename, shard_bytes, exclude_frozen_parameters)
+        self.comm.barrier()  # the files are complete on every rank's return
         return True
 
     def wait_for_checkpoint(self) -> None:

@@ -1,0 +1,126 @@
+"""Consolidated weights users can take away: safetensors files, sharded in Hugging Face's layout when large.
+
+Both ways out use `ShardedSafetensors`: `engine.save_16bit_model` from a live
+engine (gathering one unit at a time; rank 0 writes) and `zero3 export` from
+a checkpoint (one process, one shard's worth of tensors in memory at most).
+Each parameter is written once under one name: a tied weight under its
+first name, which `safetensors.torch.load_model` maps back onto every name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from zero3.runtime.engine import ZeroEngine
+
+INDEX_SUFFIX = ".index.json"
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes (Hugging Face's max_shard_size spelling)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        cleaned = text.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if cleaned.endswith(u)), "B")
+        number = cleaned[: len(cleaned) - len(unit)] if cleaned.endswith(unit) else cleaned
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except ValueError:
+            raise ValueError(f"max shard size {text!r}: expected a size such as '5GB', '500MB' or 1000000") from None
+    if value <= 0:
+        raise ValueError(f"max shard size {text!r}: expected a positive size")
+    return value
+
+
+class ShardedSafetensors:
+    """Writes tensors into `filename`, or, past `max_shard_bytes`, into HF-style shards plus an index.
+
+    A shard is written as soon as the next tensor would overflow it, so memory holds one shard's
+    tensors at most. Shards get their final names (`model-00001-of-00003.safetensors`) at `close()`.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int) -> None:
+        if not filename.endswith(".safetensors"):
+            raise ValueError(f"weights file name {filename!r}: expected a name ending in .safetensors")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.filename = filename
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f".{self.filename}.part{len(self._written) + 1}"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        self._written.append((path, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Final names for the written files (one file, or shards and the index); returns them."""
+        if self._pending or not self._written:
+            self._flush()
+        if len(self._written) == 1:
+            final = self.out_dir / self.filename
+            os.replace(self._written[0][0], final)
+            return [final]
+        stem = self.filename[: -len(".safetensors")]
+        count = len(self._written)
+        weight_map: dict[str, str] = {}
+        finals = []
+        for number, (path, names) in enumerate(self._written, start=1):
+            final = self.out_dir / f"{stem}-{number:05d}-of-{count:05d}.safetensors"
+            os.replace(path, final)
+            finals.append(final)
+            weight_map.update({name: final.name for name in names})
+        index = self.out_dir / f"{self.filename}{INDEX_SUFFIX}"
+        index.write_text(json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2))
+        return finals + [index]
+
+
+def save_live(
+    engine: ZeroEngine, save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int,
+    exclude_frozen_parameters: bool,
+) -> list[Path]:
+    """Gather one unit at a time (collective); rank 0 writes each parameter once, then the buffers."""
+    from zero3.partition.gathered import GatheredParameters
+
+    writer = ShardedSafetensors(save_dir, filename, max_shard_bytes) if engine.global_rank == 0 else None
+    written_params: set[int] = set()
+    names = {id(p): name for name, p in engine.module.named_parameters()}  # a tied weight: its first name
+    for unit in engine.all_units:
+        params = [sp.param for sp in unit.params if not (exclude_frozen_parameters and not sp.param.requires_grad)]
+        if not params:
+            continue
+        with GatheredParameters(params):
+            if writer is not None:
+                for param in params:
+                    if id(param) not in written_params:
+                        writer.add(names[id(param)], param.data)
+                        written_params.add(id(param))
+    if writer is None:
+        return []
+    param_names = set(dict(engine.module.named_parameters(remove_duplicate=False)))
+    for name, value in engine.module.state_dict().items():
+        if name not in param_names:  # persistent buffers: never partitioned
+            writer.add(name, value)
+    return writer.close()
