@@ -466,8 +466,10 @@ def llama_job(rank: int, world: int, root: str) -> dict:
         engine.step()
     target = os.path.join(root, "llama")
     engine.save_16bit_model(target, max_shard_size="30KB")
+    engine.save_checkpoint(os.path.join(root, "llama-ckpt"))
     if rank == 0:
         config.save_pretrained(target)
+        config.save_pretrained(os.path.join(root, "llama-export"))
     engine.comm.barrier()
     with torch.no_grad():
         logits = engine(input_ids=mine).logits
@@ -475,10 +477,26 @@ def llama_job(rank: int, world: int, root: str) -> dict:
     with torch.no_grad():
         plain = loaded(input_ids=mine).logits
     engine.destroy()
-    return {"max_diff": (plain - logits).abs().max().item(), "files": sorted(os.listdir(target))}
+    return {"max_diff": (plain - logits).abs().max().item(), "files": sorted(os.listdir(target)),
+            "logits": logits, "input_ids": mine}
 
 
 def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(tmp_path: Path) -> None:
-    for result in run_ranks(2, llama_job, str(tmp_path)):
+    import subprocess
+    import sys
+
+    from transformers import LlamaForCausalLM
+
+    results = run_ranks(2, llama_job, str(tmp_path))
+    for result in results:  # save_16bit_model's shards
         assert result["max_diff"] < 1e-5
         assert "model.safetensors.index.json" in result["files"]
+    exported = tmp_path / "llama-export"  # and `zero3 export` of the checkpoint
+    proc = subprocess.run([sys.executable, "-m", "zero3.cli", "export", str(tmp_path / "llama-ckpt"), str(exported)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    loaded = LlamaForCausalLM.from_pretrained(str(exported))
+    for result in results:
+        with torch.no_grad():
+            logits = loaded(input_ids=result["input_ids"]).logits
+        assert (logits - result["logits"]).abs().max().item() < 1e-5
