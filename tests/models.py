@@ -279,3 +279,14 @@ def reference_losses(
         opt.zero_grad()
         losses.append(total)
     return losses, model
+
+
+def train_steps(engine, rank: int, world: int, batches: list) -> list[float]:
+    """One optimizer step per global batch, each rank on its rows; returns this rank's losses."""
+    losses = []
+    for x, y in batches:
+        loss = loss_of(engine(x.chunk(world)[rank], y.chunk(world)[rank]), engine.module)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -48,14 +48,7 @@ def build(variant: str, root: str, seed: int = 0) -> zero3.ZeroEngine:
     return engine
 
 
-def train(engine: zero3.ZeroEngine, rank: int, world: int, batches: list) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = models.loss_of(engine(x.chunk(world)[rank], y.chunk(world)[rank]), engine.module)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+train = models.train_steps
 
 
 def data() -> list:

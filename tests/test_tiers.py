@@ -66,14 +66,7 @@ def kind_of(name: str) -> str:
     return {"tied_transformer": "tokens", "branchy": "branch"}[name]
 
 
-def train(engine: zero3.ZeroEngine, rank: int, world: int, batches: list) -> list[float]:
-    losses = []
-    for x, y in batches:
-        loss = models.loss_of(engine(x.chunk(world)[rank], y.chunk(world)[rank]), engine.module)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+train = models.train_steps
 
 
 def local_state(engine: zero3.ZeroEngine, model: torch.nn.Module) -> dict[str, torch.Tensor]:
