@@ -81,15 +81,19 @@ class Job:
     profile_out: str = ""
     offload_optimizer: str = "none"
     precision: str = "bf16"
+    reduce_bucket_size: int | None = None
 
 
 def ds_config(
     micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none", precision: str = "bf16",
+    reduce_bucket_size: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config used by zero3 (and by DeepSpeed, if present)."""
     zero: dict[str, Any] = {"stage": 3}
     if persistence_threshold is not None:
         zero["stage3_param_persistence_threshold"] = persistence_threshold
+    if reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = reduce_bucket_size
     if offload_optimizer != "none":
         # ZeRO-Offload: fp32 masters and moments on the host, the step there (DeepSpeedCPUAdam in DeepSpeed).
         zero["offload_optimizer"] = {"device": offload_optimizer}
@@ -138,7 +142,7 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
-    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision)
+    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size)
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg):
         model = GPT(job.model)
@@ -195,7 +199,7 @@ def _build_fsdp2(job: Job):
 def _build_deepspeed(job: Job):
     import deepspeed  # noqa: F401  (only reached when importable)
 
-    cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision)
+    cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision, job.reduce_bucket_size)
     torch.manual_seed(job.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)
@@ -422,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                    help="ZeRO-Offload for zero3 and DeepSpeed (fsdp2 has no optimizer offload: it is skipped)")
+    p.add_argument("--reduce-bucket-size", type=positive_int, default=None,
+                   help="zero_optimization.reduce_bucket_size for zero3 and DeepSpeed (default: DeepSpeed's 5e8)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="fp32 on a CPU without bf16 matmul units (bf16 backward is ~30x slower there)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
@@ -466,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer, args.precision),
+            "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer, args.precision,
+                                      args.reduce_bucket_size),
         },
         "engines": {},
     }
@@ -486,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
                   warmup=args.warmup, seed=args.seed,
                   profile=args.profile and name == "zero3", profile_out=profile_path,
-                  offload_optimizer=args.offload_optimizer, precision=args.precision)
+                  offload_optimizer=args.offload_optimizer, precision=args.precision,
+                  reduce_bucket_size=args.reduce_bucket_size)
         console.print(f"running {name} ...")
         t0 = time.perf_counter()
         try:

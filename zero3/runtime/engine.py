@@ -111,6 +111,9 @@ class ZeroEngine:
             comm, self.optimizer.params if self.optimizer is not None else [], config.communication_dtype, device,
             zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
         )
+        if self.optimizer is not None:
+            # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
+            self.optimizer.borrow_scratch = self.reducer.idle_scratch
         self.coordinator = ParamCoordinator(
             model, self.units, module_units, comm, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             self.persistent_unit,

@@ -157,6 +157,17 @@ class GradientReducer:
                 "contiguous_grad_buffer", torch.empty(self.scratch_numel(), dtype=self.dtype, device=self.device)
             )
 
+    def idle_scratch(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        """The scratch bucket's first `nbytes` as bytes, to use between backward passes; None when it
+        is busy, freed (offloaded), elsewhere, or too small. Its contents are garbage by the next send."""
+        scratch = self.scratch
+        if self._open or self._inflight or self._arriving or scratch is None:
+            return None
+        tensor = scratch.tensor
+        if tensor.device != device or tensor.numel() * tensor.element_size() < nbytes:
+            return None
+        return tensor.view(torch.uint8)[:nbytes]
+
     def free_scratch(self) -> None:
         """Drop the scratch bucket (it holds nothing between backward passes)."""
         if self._open or self._inflight or self._arriving:

@@ -76,6 +76,7 @@ class ZeroOptimizer:
         loss_scaler: LossScaler | DynamicLossScaler,
         make_states: Callable[[int, int], OptimizerStates],
         grad_device: torch.device | None = None,
+        borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -135,6 +136,8 @@ class ZeroOptimizer:
         if not self.states.transactional:
             self.bind_views()
         self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] | None = None
+        # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce bucket).
+        self.borrow_scratch = borrow_scratch
         self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
 
     @property
@@ -190,7 +193,7 @@ class ZeroOptimizer:
         ranks must step it, or none, or one parameter's shards drift apart.
         """
         values = torch.zeros(1 + len(self.params), dtype=torch.float32, device=self.device)
-        values[0] = torch.linalg.vector_norm(self.lp_grads.tensor, 2, dtype=torch.float32).pow(2)
+        values[0] = squared_norm(self.lp_grads.tensor)
         if self.params:
             values[1:] = torch.tensor([sp.has_grad for sp in self.params], dtype=torch.float32)
         summed = self.comm.all_reduce_sum(values).cpu()
@@ -271,8 +274,11 @@ class ZeroOptimizer:
 
     def _step_sub_group(self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: float) -> None:
         hp = window["hp_params"]
-        # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored).
-        grad = self.lp_grads.view(sub.offset, sub.numel).to(device=hp.device, dtype=torch.float32, copy=True)
+        # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored), in the
+        # idle reduce bucket when it is large enough: a fresh buffer page-faults in every step
+        # (19 ms vs 1.8 ms to fill for 9.5M elements on this machine's CPU).
+        grad = self._fp32_grads(sub.numel, hp.device)
+        grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient != 1.0:
             grad.mul_(coefficient)
         self._bind(sub, window)
@@ -300,6 +306,12 @@ class ZeroOptimizer:
         for master in self._masters_of(sp):
             self.optimizer.state[master]["step"] = count.to(dtype=torch.float32, device=self.step_device).clone()
 
+    def _fp32_grads(self, numel: int, device: torch.device) -> torch.Tensor:
+        borrowed = self.borrow_scratch(numel * 4, device) if self.borrow_scratch is not None else None
+        if borrowed is not None:
+            return borrowed.view(torch.float32)[:numel]
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
     def _write_lp(self, sub: SubGroup, hp: torch.Tensor) -> None:
         """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live."""
         cursor = 0
@@ -323,6 +335,19 @@ class ZeroOptimizer:
             "lp_grads": self.lp_grads.nbytes,
             "optim_states": sum(buf.nbytes for buf in self.moments.values()),
         }
+
+
+NORM_CHUNK = 1 << 20
+
+
+def squared_norm(flat: torch.Tensor) -> torch.Tensor:
+    """Sum of squares in fp32. A 16-bit buffer goes a cache-sized chunk at a time: a single
+    `vector_norm(dtype=float32)` casts the whole buffer to fp32 in memory (20 ms vs 3 ms for 9.5M
+    elements on this machine's CPU)."""
+    if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
+        return torch.linalg.vector_norm(flat, 2, dtype=torch.float32).pow(2)
+    norms = torch._foreach_norm(list(flat.split(NORM_CHUNK)), 2, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
 
 
 def _split(sps: list[ShardedParam], limit: int) -> list[list[Piece]]:
