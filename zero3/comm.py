@@ -111,9 +111,12 @@ class Communicator:
         return self._started(_all_gather_flat(out, inp, group=self.group, async_op=True), async_op)
 
     def reduce_scatter_flat(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group."""
+        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group.
+
+        `output` may be this rank's own chunk of `full` (in place)."""
         if self.world_size == 1:
-            output.copy_(full)
+            if output.data_ptr() != full.data_ptr():
+                output.copy_(full[: output.numel()])
             return None
         out, inp = self._hand_over(output, full)
         work = _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)

@@ -13,7 +13,8 @@ bucket has gone out; whatever is left goes out when the backward ends.
 
 One fused `_chunk_cat` lays a bucket out rank-major in a slot of the scratch
 buffer (the `contiguous_grad_buffer` state), in `communication_data_type`;
-one `reduce_scatter_flat` sums it across ranks. Each rank then adds its
+one `reduce_scatter_flat` sums it across ranks, in place (this rank's sum
+lands in its own chunk of the slot). Each rank then adds its
 shard into its region of `lp_grads` (in `grad_accum_dtype`), so gradients
 accumulate across micro-steps there. Scaling follows DeepSpeed: gradients
 are multiplied by 1/gradient_predivide_factor before the sum and by
@@ -146,7 +147,9 @@ class GradientReducer:
     # ---- scratch --------------------------------------------------------------
     @property
     def slot_numel(self) -> int:
-        return self.capacity + self.capacity // self.comm.world_size
+        # The reduce-scatter runs in place: each rank's summed shard lands in its own chunk of the
+        # bucket (NCCL's and gloo's in-place form), so a slot is one bucket and nothing more.
+        return self.capacity
 
     def scratch_numel(self) -> int:
         return self.slot_numel * self.slots
@@ -259,7 +262,7 @@ class GradientReducer:
                 torch.cuda.current_stream(self.device).wait_event(copy)
                 self._slot_copy[slot] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
-        output = storage.narrow(0, self.capacity, bucket.shard_numel)
+        output = full.narrow(0, self.comm.rank * bucket.shard_numel, bucket.shard_numel)
         grads = [self._grad_or_zeros(sp, grad) for sp, grad in zip(bucket.params, self._grads[j])]
         self._grads[j] = [None] * len(bucket.params)
         torch._chunk_cat(grads, dim=0, num_chunks=world, out=full.view(world, bucket.shard_numel))
