@@ -188,6 +188,42 @@ def test_param_status_walks_not_available_inflight_available_and_back() -> None:
 
 
 # ---- GatheredParameters after initialize ---------------------------------------------
+def world_of_one(rank: int, world: int) -> dict:
+    import zero3.comm as comm
+
+    gathers = []
+    real_ag = comm._all_gather_flat
+    comm._all_gather_flat = lambda *a, **k: gathers.append(1) or real_ag(*a, **k)  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    lp = engine.lp_buffers[0].tensor
+    inside: list[bool] = []
+
+    def watch(module: nn.Module, args: object) -> None:  # is fc2's weight a view of the shard buffer?
+        data = module.weight.data
+        start = lp.data_ptr()
+        inside.append(start <= data.data_ptr() < start + lp.numel() * lp.element_size())
+
+    model.fc2.register_forward_pre_hook(watch)
+    for x, y in models.batches("x8", 2, 4):
+        engine.backward(engine(x, y))
+        engine.step()
+    with zero3.GatheredParameters([model.fc1.bias], modifier_rank=0):
+        with torch.no_grad():
+            model.fc1.bias.fill_(3.0)
+    master = zero3.safe_get_full_fp32_param(model.fc1.bias).clone()
+    engine.destroy()
+    return {"gathers": len(gathers), "inside": inside, "master": master}
+
+
+def test_a_world_of_one_gathers_nothing_its_parameters_view_the_shards() -> None:
+    (result,) = run_ranks(1, world_of_one)
+    assert result["gathers"] == 0
+    assert result["inside"] == [True, True]
+    assert result["master"].eq(3.0).all()  # an edit still reaches the fp32 master
+
+
 def edit_after_initialize(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()

@@ -108,11 +108,18 @@ class GatherUnit:
         if self.state is not UnitState.SHARDED:
             return
         world = self.comm.world_size
-        output = torch.empty(world * self.shard_numel, dtype=self.dtype, device=self.device)
-        shard = self.local_shard()
-        self._work = self.comm.all_gather_flat(output, shard, async_op=async_op)
-        self._gather_input = shard if self.source is not None else None
-        self._gather_output = output
+        if world == 1 and self.source is None:
+            # Nothing to gather: the shard is the whole unit. The parameters view it in place
+            # (edits go straight to the shard, as GatheredParameters' write-back would put them).
+            assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
+            self._work = None
+            self._gather_output = self.lp_slot.view()
+        else:
+            output = torch.empty(world * self.shard_numel, dtype=self.dtype, device=self.device)
+            shard = self.local_shard()
+            self._work = self.comm.all_gather_flat(output, shard, async_op=async_op)
+            self._gather_input = shard if self.source is not None else None
+            self._gather_output = output
         self._set_state(UnitState.INFLIGHT)
         if not async_op:
             self.wait()
@@ -190,7 +197,10 @@ class GatherUnit:
                 sp.write_full(sp.param.data)
 
     def unsharded_nbytes(self) -> int:
-        return 0 if self.unsharded is None else self.unsharded.numel() * self.unsharded.element_size()
+        """Memory the gathered values take beyond the shard (none at world size 1: they are the shard)."""
+        if self.unsharded is None or (self.comm.world_size == 1 and self.source is None):
+            return 0
+        return self.unsharded.numel() * self.unsharded.element_size()
 
     def __repr__(self) -> str:
         return f"GatherUnit({self.label}, params={len(self.params)}, state={self.state.name})"
