@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from offload import evict  # benchmarks/offload.py, beside this script
 from zero3.models.gpt import GPT, GPTConfig
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -65,14 +66,8 @@ def model_config(state_mib: float) -> GPTConfig:
 
 
 def drop_cache(paths: list[Path]) -> None:
-    for path in paths:
-        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Every file under these paths out of the page cache (benchmarks/offload.py's evict)."""
+    evict([file for path in paths for file in ([path] if path.is_file() else sorted(path.rglob("*"))) if file.is_file()])
 
 
 def du(path: Path) -> int:

@@ -92,6 +92,7 @@ from typing import Any, Protocol
 
 import torch
 
+from offload import evict  # benchmarks/offload.py: fsync + POSIX_FADV_DONTNEED per file
 from zero3.cli import non_negative_int, positive_float, positive_int
 
 ALIGN = 4096  # O_DIRECT alignment used for addresses, offsets and lengths
@@ -199,12 +200,7 @@ def resident_fraction(path: Path) -> float:
 
 def drop_cache(path: Path) -> None:
     """fsync the file and drop its pages from the page cache (DONTNEED only drops clean pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict([path])
 
 
 # ------------------------------------------------------------- other activity

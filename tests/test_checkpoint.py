@@ -242,12 +242,9 @@ def test_keep_last_removes_older_tags_only_after_the_new_one_is_complete(tmp_pat
 
 # ---- 8: bad input leaves the engine as it was -------------------------------------------------------------
 def snapshot(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, p in engine.module.named_parameters():
-        out[f"{name}/hp"] = zero3.safe_get_local_fp32_param(p).clone()
-        out[f"{name}/lp"] = zero3.safe_get_local_lp_param(p).clone()
-        out[f"{name}/m"] = zero3.safe_get_local_optimizer_state(p, "exp_avg").clone()
-    return out
+    from tests.test_tiers import local_state  # every local state: lp, hp and both moments
+
+    return local_state(engine, engine.module)
 
 
 def bad_loads(rank: int, world: int, root: str, good: str) -> dict:

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from zero3 import accelerator
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.tags import (
     ENGINE_FILE, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
@@ -139,12 +140,12 @@ def save(
     job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last)
     if executor is None:
         return job.run(comm, live, comm.control_group)
-    staged = _stage(live, engine.host_pool)
+    staged = _stage(live, engine.host_pool, engine.device)
     group = comm.checkpoint_group()
     return executor.submit(job.run, comm, staged, group)
 
 
-def _stage(live: dict[str, Any], pool: HostBufferPool) -> dict[str, Any]:
+def _stage(live: dict[str, Any], pool: HostBufferPool, device: torch.device) -> dict[str, Any]:
     """Host copies of every entry (pinned beside a GPU), so training may change the originals."""
     staged: dict[str, Any] = {}
     for key, entry in live.items():
@@ -156,9 +157,7 @@ def _stage(live: dict[str, Any], pool: HostBufferPool) -> dict[str, Any]:
             staged[key] = RangeChunks(entry.shape, entry.dtype, entry.start, entry.end, values=host)
         else:
             staged[key] = entry.detach().to("cpu", copy=True)
-    if torch.cuda.is_available() and any(isinstance(e, RangeChunks) and e.values is not None and e.values.is_cuda
-                                         for e in live.values()):
-        torch.cuda.synchronize()  # the pinned copies have landed before the originals may change
+    accelerator.synchronize(device)  # the pinned copies have landed before the originals may change
     return staged
 
 
@@ -203,13 +202,16 @@ def read_engine_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _misfits(path: Path, wanted: dict[str, Any], strict: bool) -> list[str]:
-    """Names and shapes that differ between the checkpoint and this engine, one line each."""
+def _read_metadata(path: Path) -> dict[str, Any]:
+    """DCP's description of every saved entry, by key."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        return FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(f"{str(path / '.metadata')!r} cannot be read ({type(error).__name__}: {error})") from None
-    saved = metadata.state_dict_metadata
+
+
+def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> list[str]:
+    """Names and shapes that differ between the checkpoint and this engine, one line each."""
     problems = []
     for key, entry in wanted.items():
         meta = saved.get(key)
@@ -257,7 +259,8 @@ def load(
                 f"groups, this engine {len(optimizer.param_groups)}"
             )
     wanted = entries(engine, optimizer_states=with_optimizer)
-    problems = _misfits(path, wanted, strict)
+    saved_entries = _read_metadata(path)
+    problems = _misfits(saved_entries, wanted, strict)
     if problems:
         raise CheckpointError(
             f"the checkpoint {str(path)!r} does not fit this model ({len(problems)} differences):\n  "
@@ -270,8 +273,7 @@ def load(
     if found:
         raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
     if not strict:
-        present = FileSystemReader(path).read_metadata().state_dict_metadata
-        wanted = {key: value for key, value in wanted.items() if key in present}
+        wanted = {key: value for key, value in wanted.items() if key in saved_entries}
 
     dcp.load(wanted, storage_reader=FileSystemReader(path), planner=LoadPlanner(), process_group=comm.control_group)
 

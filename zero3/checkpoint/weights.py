@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zero3.checkpoint.state import persistent_buffers
+
 if TYPE_CHECKING:
     from zero3.runtime.engine import ZeroEngine
 
@@ -119,8 +121,6 @@ def save_live(
                         written_params.add(id(param))
     if writer is None:
         return []
-    param_names = set(dict(engine.module.named_parameters(remove_duplicate=False)))
-    for name, value in engine.module.state_dict().items():
-        if name not in param_names:  # persistent buffers: never partitioned
-            writer.add(name, value)
+    for name, value in persistent_buffers(engine).items():  # never partitioned: whole on every rank
+        writer.add(name, value)
     return writer.close()

@@ -108,9 +108,7 @@ class GatherUnit:
         if self.state is not UnitState.SHARDED:
             return
         world = self.comm.world_size
-        if world == 1 and self.source is None:
-            # Nothing to gather: the shard is the whole unit. The parameters view it in place
-            # (edits go straight to the shard, as GatheredParameters' write-back would put them).
+        if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
             self._work = None
             self._gather_output = self.lp_slot.view()
@@ -196,9 +194,15 @@ class GatherUnit:
             if params is None or sp in params:
                 sp.write_full(sp.param.data)
 
+    @property
+    def gathers_in_place(self) -> bool:
+        """A world of one with the shard in memory: nothing to gather, the parameters view the shard
+        (edits go straight to it, as GatheredParameters' write-back would put them)."""
+        return self.comm.world_size == 1 and self.source is None
+
     def unsharded_nbytes(self) -> int:
-        """Memory the gathered values take beyond the shard (none at world size 1: they are the shard)."""
-        if self.unsharded is None or (self.comm.world_size == 1 and self.source is None):
+        """Memory the gathered values take beyond the shard (none when they are the shard)."""
+        if self.unsharded is None or self.gathers_in_place:
             return 0
         return self.unsharded.numel() * self.unsharded.element_size()
 

@@ -299,20 +299,20 @@ class GradientReducer:
         if reduction.work is not None:
             reduction.work.wait()
         params = reduction.bucket.params
-        destinations = [sp.grad_slot.view() for sp in params]  # type: ignore[union-attr]
-        output = reduction.output
-        if destinations and destinations[0].device != output.device:
+        if params and params[0].grad_slot.view().device != reduction.output.device:  # type: ignore[union-attr]
             # ZeRO-Offload keeps the gradients in host memory (see the Note).
             self._copy_to_host(reduction)
         else:
-            self._add(destinations, output, params)
+            self._add(params, reduction.output)
         self._inflight.remove(reduction)
         if reduction.slot is not None:
             self._busy[reduction.slot] = None
         reduction.work = None
         self.comm.forget_released()
 
-    def _add(self, destinations: list[torch.Tensor], output: torch.Tensor, params: list[ShardedParam]) -> None:
+    def _add(self, params: list[ShardedParam], output: torch.Tensor) -> None:
+        """Accumulate a landed shard (the bucket's parameters, in order) into their gradient slots."""
+        destinations = [sp.grad_slot.view() for sp in params]  # type: ignore[union-attr]
         sources = output.split([sp.shard_numel for sp in params])
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
 
@@ -340,8 +340,7 @@ class GradientReducer:
         while self._arriving and (block or self._arriving[0].copied.query()):
             arrival = self._arriving.pop(0)
             arrival.copied.synchronize()
-            destinations = [sp.grad_slot.view() for sp in arrival.params]  # type: ignore[union-attr]
-            self._add(destinations, arrival.staged, arrival.params)
+            self._add(arrival.params, arrival.staged)
 
     def _land_all(self) -> None:
         """Land every reduction (and add every shard on its way to the host); settle the helper thread."""

@@ -76,7 +76,6 @@ class ZeroOptimizer:
         loss_scaler: LossScaler | DynamicLossScaler,
         make_states: Callable[[int, int], OptimizerStates],
         grad_device: torch.device | None = None,
-        borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -99,6 +98,7 @@ class ZeroOptimizer:
         self.lp_write_error: StepIOError | None = None
 
         self.sub_groups: list[SubGroup] = []
+        self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] = {}
         torch_groups: list[dict[str, Any]] = []
         cursor = 0
         for sp in self.params:
@@ -115,6 +115,8 @@ class ZeroOptimizer:
                 first = run[0].sp.hp_slot
                 assert first is not None
                 masters = [nn.Parameter(torch.empty(0, device=self.step_device)) for _ in run]
+                for piece, master in zip(run, masters):
+                    self._masters_by_param.setdefault(piece.sp, []).append(master)
                 numel = sum(piece.numel for piece in run)
                 self.sub_groups.append(SubGroup(first.offset + run[0].start, numel, run, masters))
                 group_masters.extend(masters)
@@ -135,9 +137,9 @@ class ZeroOptimizer:
                 }
         if not self.states.transactional:
             self.bind_views()
-        self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] | None = None
-        # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce bucket).
-        self.borrow_scratch = borrow_scratch
+        # Lends idle scratch memory of at least n bytes on a device, or None (set by the engine: its
+        # reduce bucket, idle during the step).
+        self.borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None
         self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
 
     @property
@@ -290,20 +292,12 @@ class ZeroOptimizer:
         for master in sub.masters:
             master.grad = None
 
-    def _masters_of(self, sp: ShardedParam) -> list[nn.Parameter]:
-        if self._masters_by_param is None:
-            self._masters_by_param = {}
-            for sub in self.sub_groups:
-                for piece, master in zip(sub.pieces, sub.masters):
-                    self._masters_by_param.setdefault(piece.sp, []).append(master)
-        return self._masters_by_param[sp]
-
     def step_count(self, sp: ShardedParam) -> torch.Tensor:
         """How many steps torch's Adam took for this parameter (every piece of it took the same)."""
-        return self.optimizer.state[self._masters_of(sp)[0]]["step"]
+        return self.optimizer.state[self._masters_by_param[sp][0]]["step"]
 
     def set_step_count(self, sp: ShardedParam, count: torch.Tensor) -> None:
-        for master in self._masters_of(sp):
+        for master in self._masters_by_param[sp]:
             self.optimizer.state[master]["step"] = count.to(dtype=torch.float32, device=self.step_device).clone()
 
     def _fp32_grads(self, numel: int, device: torch.device) -> torch.Tensor:
