@@ -144,6 +144,16 @@ class Communicator:
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
 
+    def any_of_flags(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group,
+        so the answer never waits on the accelerator."""
+        if self.world_size == 1:
+            return list(flags)
+        counts = torch.tensor(flags, dtype=torch.uint8)
+        (alias,) = self._hand_over(counts)
+        self._started(dist.all_reduce(alias, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True), False)
+        return [count > 0 for count in counts.tolist()]
+
     def all_gather_objects(self, value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
         """Every rank's picklable `value`, in rank order (default: the gloo control group, between steps)."""
         if self.world_size == 1:

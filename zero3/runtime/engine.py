@@ -135,8 +135,8 @@ class ZeroEngine:
                 self.lr_scheduler = build_lr_scheduler(config.scheduler, self.optimizer.optimizer)
         self.micro_steps = 0
         self.global_steps = 0
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
+        self._skipped_on_host = 0  # dynamic-scale skips; static-scale ones are counted on the device
+        self._last_grad_norm: torch.Tensor | None = None
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self._checkpoint_writer: ThreadPoolExecutor | None = None  # async saves (one at a time)
         self._pending_checkpoint: Future[Any] | None = None
@@ -326,22 +326,52 @@ class ZeroEngine:
         with self.timers.phase("step"):
             self.coordinator.release_all()
             stepped, norm = self.optimizer.step()
-            self.last_grad_norm = norm
+            self._last_grad_norm = norm
             if stepped:
                 self._refresh_gathered()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:
-                self.skipped_steps += 1
+                self._skipped_on_host += 1
                 log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
         # Counted once the step has landed: a step that raised (a failing disk) can be retried.
         self.micro_steps += 1
         self.global_steps += 1
-        if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
+        printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
+        if printing and self.global_steps % self.config.steps_per_print == 0:
             self._print_progress()
         if self.optimizer.lp_write_error is not None:
             error, self.optimizer.lp_write_error = self.optimizer.lp_write_error, None
             raise error
+
+    # [Note: a step without host syncs]
+    # Nothing in a step reads a device value on the host unless the config
+    # needs it (a dynamic fp16 loss scale reads whether the step overflowed):
+    # the grad norm, the clip coefficient and the non-finite check stay on the
+    # device, and the fused Adam kernel skips the update itself when a static-
+    # scale step's gradients are not finite (`found_inf`). The scheduler
+    # advances on such a step, as it does under torch's GradScaler. So the
+    # norm and the skip count are read only when asked for, below.
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm, unscaled and before clipping (reading it waits for it)."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
+    def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's name for `last_grad_norm`."""
+        return self.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped: fp16 overflows, and non-finite gradients under a static scale."""
+        on_device = int(self.optimizer.skipped) if self.optimizer is not None else 0
+        return self._skipped_on_host + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        self._skipped_on_host = int(count)
+        if self.optimizer is not None:
+            self.optimizer.skipped.zero_()
 
     def _print_progress(self) -> None:
         """steps_per_print: DeepSpeed's progress line (and wall_clock_breakdown's times)."""

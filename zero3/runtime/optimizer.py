@@ -25,7 +25,6 @@ in memory, after the walk: see `step`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +134,9 @@ class ZeroOptimizer:
                 self.optimizer.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=self.step_device)
                 }
+        # Steps skipped on the device (a non-finite gradient under a static loss scale), read only when asked.
+        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
         if not self.states.transactional:
             self.bind_views()
         # Lends idle scratch memory of at least n bytes on a device, or None (set by the engine: its
@@ -158,6 +160,7 @@ class ZeroOptimizer:
     def bind_views(self) -> None:
         for sub in self.sub_groups:
             self._bind(sub, {name: buffer.view(sub.offset, sub.numel) for name, buffer in self.states.buffers.items()})
+        self._views_bound = True
 
     def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
         cursor = 0
@@ -169,6 +172,7 @@ class ZeroOptimizer:
             cursor += piece.numel
 
     def unbind_views(self) -> None:
+        self._views_bound = False
         for sub in self.sub_groups:
             for master in sub.masters:
                 master.data = torch.empty(0, device=self.step_device)
@@ -186,26 +190,27 @@ class ZeroOptimizer:
         for sp in self.params:
             sp.has_grad = False
 
-    def agree_on_gradients(self) -> float:
-        """One all-reduce: the global grad norm (still loss-scaled; inf/nan on overflow) and which
-        parameters got a gradient on ANY rank.
+    def agree_on_gradients(self) -> torch.Tensor:
+        """The global squared grad norm (still loss-scaled; inf/nan on overflow), as a tensor on the
+        device that nothing reads, and which parameters got a gradient on ANY rank.
 
         A parameter some rank did not use still has a gradient (zero there, the
         others' elsewhere), and each rank steps only its own shard of it: all
-        ranks must step it, or none, or one parameter's shards drift apart.
+        ranks must step it, or none, or one parameter's shards drift apart. The
+        flags are host booleans, agreed on the gloo control group, so reading
+        them never waits on the accelerator (see [Note: a step without host syncs]).
         """
-        values = torch.zeros(1 + len(self.params), dtype=torch.float32, device=self.device)
-        values[0] = squared_norm(self.lp_grads.tensor)
+        squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
         if self.params:
-            values[1:] = torch.tensor([sp.has_grad for sp in self.params], dtype=torch.float32)
-        summed = self.comm.all_reduce_sum(values).cpu()
-        for sp, flag in zip(self.params, summed[1:].tolist()):
-            sp.has_grad = flag > 0
-        return math.sqrt(summed[0].item())
+            agreed = self.comm.any_of_flags([sp.has_grad for sp in self.params])
+            for sp, flag in zip(self.params, agreed):
+                sp.has_grad = flag
+        return squared[0]
 
     # ---- step ------------------------------------------------------------------
-    def step(self) -> tuple[bool, float]:
-        """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow.
+    def step(self) -> tuple[bool, torch.Tensor]:
+        """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow (see the Note:
+        `stepped` is False only for a dynamic loss scale's skip; other skips are counted in `skipped`).
 
         If the tier's disk fails mid-step, raises OffloadIOError. A disk tier
         then still holds the state as before the step (see
@@ -214,16 +219,29 @@ class ZeroOptimizer:
         """
         self.repair_lp()
         scale = self.loss_scaler.loss_scale
-        norm = self.agree_on_gradients()
-        overflow = not math.isfinite(norm)
-        self.loss_scaler.update(overflow)
-        if overflow:
-            self.zero_grad()
-            return False, norm
-        norm /= scale
-        coefficient = 1.0 / scale
+        squared = self.agree_on_gradients()
+        norm = squared.sqrt() / scale
+        overflow = ~torch.isfinite(squared)
+        found_inf: torch.Tensor | None = None
+        if self.loss_scaler.dynamic:
+            # The one host read a step makes: the dynamic scale's next value depends on it.
+            overflowed = bool(overflow.item())
+            self.loss_scaler.update(overflowed)
+            if overflowed:
+                self.zero_grad()
+                return False, norm
+        else:
+            # A non-finite gradient skips the update in the fused kernel itself (masters, moments and
+            # step counts unchanged), decided on the device; `skipped` counts it there.
+            found_inf = overflow.to(torch.float32)
+            self.skipped.add_(overflow)
+        coefficient: torch.Tensor | None = None
         if self.gradient_clipping > 0:
-            coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+            coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
+            if scale != 1.0:
+                coefficient.mul_(1.0 / scale)
+        elif scale != 1.0:
+            coefficient = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(piece.sp.has_grad for piece in sub.pieces)}
         counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
         streamed = self.states.transactional
@@ -233,7 +251,7 @@ class ZeroOptimizer:
         during = streamed or not self._lp_on_disk
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
-            self._step_sub_group(self.sub_groups[index], window, coefficient)
+            self._step_sub_group(self.sub_groups[index], window, coefficient, found_inf)
             if during:
                 self._write_lp(self.sub_groups[index], window["hp_params"])
 
@@ -274,20 +292,25 @@ class ZeroOptimizer:
         self.zero_grad()
         return True, norm
 
-    def _step_sub_group(self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: float) -> None:
+    def _step_sub_group(
+        self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
         hp = window["hp_params"]
         # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored), in the
         # idle reduce bucket when it is large enough: a fresh buffer page-faults in every step
         # (19 ms vs 1.8 ms to fill for 9.5M elements on this machine's CPU).
         grad = self._fp32_grads(sub.numel, hp.device)
         grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
-        if coefficient != 1.0:
-            grad.mul_(coefficient)
-        self._bind(sub, window)
+        if coefficient is not None:
+            grad.mul_(coefficient.to(hp.device))  # a host step (ZeRO-Offload) waits for it: it needs the value
+        if not self._views_bound:
+            self._bind(sub, window)
         cursor = 0
         for piece, master in zip(sub.pieces, sub.masters):
             master.grad = grad[cursor : cursor + piece.numel] if piece.sp.has_grad else None
             cursor += piece.numel
+        self.optimizer.found_inf = found_inf.to(hp.device) if found_inf is not None else None
         self.optimizer.step()
         for master in sub.masters:
             master.grad = None
