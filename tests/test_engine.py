@@ -136,16 +136,20 @@ def count_collectives(rank: int, world: int) -> dict:
     first = dict(calls)
     engine.step()
     after_step = zero3.param_status(model.fc1.weight)
+    buckets = [[sp.name for sp in bucket.params] for bucket in engine.reducer.buckets]
     engine.destroy()
-    return {"first": first, "statuses": statuses, "after_step": after_step}
+    return {"first": first, "statuses": statuses, "after_step": after_step, "buckets": buckets}
 
 
 def test_one_all_gather_per_module_and_one_reduce_scatter_per_bucket() -> None:
     for result in run_ranks(2, count_collectives):
         # 3 Linear modules, each gathered as ONE flat all-gather (weight and bias together) in
-        # forward, and again in backward; all 6 gradients travel in ONE reduce-scatter. Each
-        # pass ends with one small marker on the control group (ranks agree the pass is over).
-        assert result["first"] == {"all_gather": 6, "reduce_scatter": 1, "marker": 2}
+        # forward, and again in backward; the 6 gradients travel in one reduce-scatter per bucket
+        # (at most a MIN_BUCKETS-th of the model each, at least its largest parameter: here
+        # [fc3, fc2.bias], [fc2.weight], [fc1]). Each pass ends with one small marker on the
+        # control group (ranks agree the pass is over).
+        assert len(result["buckets"]) == 3 and sum(map(len, result["buckets"])) == 6
+        assert result["first"] == {"all_gather": 6, "reduce_scatter": 3, "marker": 2}
         name, fc2_status, fc3_status = result["statuses"][0]
         assert fc2_status is zero3.ParamStatus.AVAILABLE  # inside its own forward
         # Step 1 has no trace yet: the walk prefetches in registration order.

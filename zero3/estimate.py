@@ -45,7 +45,7 @@ from zero3.offload.param_tier import split_units
 from zero3.partition.layout import shard_numel
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
-from zero3.runtime.grad_reducer import GradientReducer
+from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
 from zero3.runtime.optimizer import MOMENTS
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -204,11 +204,10 @@ def layout_of_count(params: int, world_size: int, settings: EstimateSettings) ->
     """ZeRO-3's formula for `params` parameters: one flat shard, no persistent ones (see the Note)."""
     shard = shard_numel(params, world_size)
     in_memory = min(shard, settings.max_in_cpu) if settings.offload_param == "nvme" else shard
-    # GradientReducer's sizing with every parameter at most a bucket: a bucket of min(bucket, all), rounded
-    # up to whole shards, and a second slot when one backward fills more than one bucket.
+    # GradientReducer's own sizing, with no parameter larger than a bucket.
     total = shard * world_size
-    capacity = -(-min(settings.reduce_bucket_size, total) // world_size) * world_size
-    slots = 2 if settings.overlap_comm and total > capacity else 1
+    capacity = bucket_capacity(total, 0, settings.reduce_bucket_size, world_size)
+    slots = slot_count(total, capacity, settings.overlap_comm)
     return RankLayout(
         lp_in_memory=in_memory, lp_on_disk=shard - in_memory, trainable=shard, persistent_gathered=0,
         scratch=capacity * slots,

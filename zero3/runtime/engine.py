@@ -96,21 +96,27 @@ class ZeroEngine:
         self.lp_buffers = layout.buffers
         self.param_disk = layout.disk_tier
 
+        self.reducer = GradientReducer(
+            comm, [sp for sps, _ in groups for sp in sps], config.communication_dtype, device,
+            zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
+        )
         self.loss_scaler = build_loss_scaler(config.fp16)
         self.optimizer: ZeroOptimizer | None = None
         if config.optimizer is not None:
+            sub_group_size = zc.sub_group_size
+            if zc.offload_optimizer.device == OffloadDevice.none:
+                # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
+                # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
+                scratch_bytes = self.reducer.scratch_numel() * config.communication_dtype.itemsize
+                sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
             self.optimizer = ZeroOptimizer(
-                groups, config.optimizer, comm, device, config.grad_accum_dtype, zc.sub_group_size,
+                groups, config.optimizer, comm, device, config.grad_accum_dtype, sub_group_size,
                 config.gradient_clipping, self.loss_scaler, optimizer_states(config, device, self.disk, self.host_pool),
                 grad_device(config, device),
             )
         for sp in self.sharded_params:
             sp.hp_seed = None  # frozen parameters keep no master
 
-        self.reducer = GradientReducer(
-            comm, self.optimizer.params if self.optimizer is not None else [], config.communication_dtype, device,
-            zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
-        )
         if self.optimizer is not None:
             # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
             self.optimizer.borrow_scratch = self.reducer.idle_scratch

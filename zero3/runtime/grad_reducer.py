@@ -11,10 +11,14 @@ each of its parameters is accounted for (its gradient arrived, or its unit
 was not used by any forward since the last backward) and every earlier
 bucket has gone out; whatever is left goes out when the backward ends.
 
-One fused `_chunk_cat` lays a bucket out rank-major in a slot of the scratch
-buffer (the `contiguous_grad_buffer` state), in `communication_data_type`;
-one `reduce_scatter_flat` sums it across ranks, in place (this rank's sum
-lands in its own chunk of the slot). Each rank then adds its
+A bucket is laid out rank-major in a slot of the scratch buffer (the
+`contiguous_grad_buffer` state), in `communication_data_type`: each
+gradient is copied to its place as it arrives (the bucket takes its slot at
+its first gradient), so autograd's full-size gradient is freed at once and
+nothing waits for a bucket to fill but the bucket itself (as in DeepSpeed;
+holding the gradients until the bucket went out kept up to a bucket of them
+alive besides the slot). One `reduce_scatter_flat` sums the slot across
+ranks, in place (this rank's sum lands in its own chunk of the slot). Each rank then adds its
 shard into its region of `lp_grads` (in `grad_accum_dtype`), so gradients
 accumulate across micro-steps there. Scaling follows DeepSpeed: gradients
 are multiplied by 1/gradient_predivide_factor before the sum and by
@@ -53,6 +57,27 @@ import torch.distributed as dist
 from zero3.comm import Communicator
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam
+
+
+# A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
+# exceeds reduce_bucket_size): with one bucket for the whole model (DeepSpeed's 5e8 default covers models
+# up to 500M parameters) nothing is reduced before the backward ends, and the scratch is the whole model.
+MIN_BUCKETS = 4
+
+
+def bucket_capacity(total: int, largest: int, bucket_numel: int, world: int) -> int:
+    """Elements of one bucket (a scratch slot): at most `bucket_numel` and a MIN_BUCKETS-th of the
+    `total`, at least the `largest` parameter, in whole shards (padded numels throughout)."""
+    capacity = max(min(bucket_numel, -(-total // MIN_BUCKETS)), largest)
+    return -(-capacity // world) * world
+
+
+def slot_count(total: int, capacity: int, overlap: bool) -> int:
+    """Scratch slots: a second one only helps when one backward fills more than one bucket."""
+    return 2 if overlap and total > capacity else 1
+
+
+_FILLING = object()  # a slot taken by a bucket whose gradients are still arriving
 
 
 @dataclass
@@ -100,35 +125,39 @@ class GradientReducer:
         world = comm.world_size
         total = sum(sp.padded_numel for sp in params)
         largest = max((sp.padded_numel for sp in params), default=0)
-        capacity = max(min(bucket_numel, total), largest)
-        self.capacity = -(-capacity // world) * world
+        self.capacity = bucket_capacity(total, largest, bucket_numel, world)
         self.comm = comm
         self.dtype = comm_dtype
         self.device = device
         self.buckets = self._cut(list(reversed(params)))
         self._where = {sp: (j, k) for j, bucket in enumerate(self.buckets) for k, sp in enumerate(bucket.params)}
-        self._largest_numel = max((sp.numel for sp in params), default=0)
-        # A second slot only helps when one backward fills more than one bucket.
-        self.slots = 2 if overlap and len(self.buckets) > 1 else 1
+        self.slots = slot_count(total, self.capacity, overlap)
         self.pre_scale = 1.0 / world if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / world
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
         self._waiter: ThreadPoolExecutor | None = None  # the CPU's completion watcher (see the Note)
         self._watched: list[Future[None]] = []
         self.scratch: FlatBuffer | None = None
-        self._busy: list[_Reduction | None] = [None] * self.slots
+        self._busy: list[_Reduction | object | None] = [None] * self.slots  # _FILLING: a bucket being filled
         # ZeRO-Offload on CUDA (see the Note): the side stream, each slot's pending copy, the arrivals.
         self._copy_stream: torch.cuda.Stream | None = None
         self._slot_copy: list[torch.cuda.Event | None] = [None] * self.slots
         self._arriving: list[_HostArrival] = []
         self._inflight: list[_Reduction] = []
         self._open = False
-        self._grads: list[list[torch.Tensor | None]] = []
+        # Per bucket in this pass: its storage once its first gradient arrived (slot index or None for a
+        # fresh buffer), and which of its parameters have a gradient placed there.
+        self._storage: list[tuple[torch.Tensor, int | None] | None] = []
+        self._placed: list[list[bool]] = []
         self._accounted: list[list[bool]] = []
         self._remaining: list[int] = []
         self._next = 0
         self._late: list[tuple[ShardedParam, torch.Tensor]] = []
-        self._zeros: torch.Tensor | None = None
+        self._offsets = [
+            [sum(sp.shard_numel for sp in bucket.params[:k]) for k in range(len(bucket.params))]
+            for bucket in self.buckets
+        ]
+        self.fresh_buffers = 0  # buckets that found no free slot (see the Note), over the engine's life
 
     def _cut(self, params: list[ShardedParam]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
@@ -187,7 +216,8 @@ class GradientReducer:
         if self._open:
             return
         self._open = True
-        self._grads = [[None] * len(b.params) for b in self.buckets]
+        self._storage = [None] * len(self.buckets)
+        self._placed = [[False] * len(b.params) for b in self.buckets]
         self._accounted = [[False] * len(b.params) for b in self.buckets]
         self._remaining = [len(b.params) for b in self.buckets]
         self._next = 0
@@ -205,7 +235,7 @@ class GradientReducer:
         if j < self._next:
             self._late.append((sp, grad))
             return
-        self._hold(j, k, grad)
+        self._place(j, k, grad)
         self._account(j, k)
         self._send_ready()
 
@@ -222,20 +252,63 @@ class GradientReducer:
         self._land_all()
         if any_rank_late:
             late, self._late = self._late, []
-            self._grads = [[None] * len(b.params) for b in self.buckets]
-            for sp, grad in late:
-                self._hold(*self._where[sp], grad)
-            for j in range(len(self.buckets)):
+            self._storage = [None] * len(self.buckets)
+            self._placed = [[False] * len(b.params) for b in self.buckets]
+            for j in range(len(self.buckets)):  # one bucket at a time: its late gradients, then out
+                for sp, grad in late:
+                    if self._where[sp][0] == j:
+                        self._place(j, self._where[sp][1], grad, may_block=True)
                 self._send(j, may_block=True)
             self._land_all()
         self._open = False
-        self._grads, self._accounted, self._late = [], [], []
-        self._zeros = None
+        self._storage, self._placed, self._accounted, self._late = [], [], [], []
 
-    def _hold(self, j: int, k: int, grad: torch.Tensor) -> None:
-        """Keep a gradient for bucket j until it is sent (summed with one held already)."""
-        held = self._grads[j][k]
-        self._grads[j][k] = grad if held is None else held + grad
+    def _bucket_storage(self, j: int, may_block: bool) -> torch.Tensor:
+        """Bucket j's storage in this pass: a scratch slot, taken at its first gradient."""
+        if self._storage[j] is None:
+            slot = self._take_slot(may_block)
+            if slot is None:
+                self.fresh_buffers += 1
+                storage = torch.empty(self.slot_numel, dtype=self.dtype, device=self.device)
+            else:
+                assert self.scratch is not None
+                storage = self.scratch.view(slot * self.slot_numel, self.slot_numel)
+                copy = self._slot_copy[slot]
+                if copy is not None:  # the slot's last shard is still being copied to the host
+                    torch.cuda.current_stream(self.device).wait_event(copy)
+                    self._slot_copy[slot] = None
+                self._busy[slot] = _FILLING
+            self._storage[j] = (storage, slot)
+        return self._storage[j][0]
+
+    def _param_view(self, j: int, k: int, storage: torch.Tensor) -> torch.Tensor:
+        """Parameter k's place in bucket j: [world, its shard numel], one row per rank's chunk."""
+        bucket = self.buckets[j]
+        full = storage.narrow(0, 0, bucket.padded_numel).view(self.comm.world_size, bucket.shard_numel)
+        return full.narrow(1, self._offsets[j][k], bucket.params[k].shard_numel)
+
+    def _place(self, j: int, k: int, grad: torch.Tensor, may_block: bool = False) -> None:
+        """Copy (or, arriving twice in a pass, add) a gradient into its place in bucket j: rank r's
+        chunk gets elements [r*s, (r+1)*s) of the flat gradient, the last one zero-padded."""
+        place = self._param_view(j, k, self._bucket_storage(j, may_block))
+        flat = grad.reshape(-1)
+        width = place.shape[1]
+        rows, rest = divmod(flat.numel(), width)
+        if self._placed[j][k]:
+            if rows:
+                place[:rows].add_(flat[: rows * width].view(rows, width))
+            if rest:
+                place[rows, :rest].add_(flat[rows * width :])
+            return
+        self._placed[j][k] = True
+        if rows:
+            place[:rows].copy_(flat[: rows * width].view(rows, width))
+        if rest:
+            place[rows, :rest].copy_(flat[rows * width :])
+            place[rows, rest:].zero_()
+            rows += 1
+        if rows < place.shape[0]:
+            place[rows:].zero_()
 
     def _account(self, j: int, k: int) -> None:
         if not self._accounted[j][k]:
@@ -250,22 +323,18 @@ class GradientReducer:
     # ---- one bucket ---------------------------------------------------------------------
     def _send(self, j: int, may_block: bool) -> None:
         bucket = self.buckets[j]
-        world = self.comm.world_size
-        slot = self._take_slot(may_block)
-        if slot is None:
-            storage = torch.empty(self.slot_numel, dtype=self.dtype, device=self.device)
+        if self._storage[j] is None and not any(self._placed[j]):
+            storage = self._bucket_storage(j, may_block)
+            storage.narrow(0, 0, bucket.padded_numel).zero_()  # no gradient for this bucket on this rank
         else:
-            assert self.scratch is not None
-            storage = self.scratch.view(slot * self.slot_numel, self.slot_numel)
-            copy = self._slot_copy[slot]
-            if copy is not None:  # the slot's last shard is still being copied to the host
-                torch.cuda.current_stream(self.device).wait_event(copy)
-                self._slot_copy[slot] = None
+            storage = self._bucket_storage(j, may_block)
+            for k, placed in enumerate(self._placed[j]):
+                if not placed:  # unused on this rank: it contributes zeros
+                    self._param_view(j, k, storage).zero_()
+        slot = self._storage[j][1]  # type: ignore[index]
+        self._storage[j] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
         output = full.narrow(0, self.comm.rank * bucket.shard_numel, bucket.shard_numel)
-        grads = [self._grad_or_zeros(sp, grad) for sp, grad in zip(bucket.params, self._grads[j])]
-        self._grads[j] = [None] * len(bucket.params)
-        torch._chunk_cat(grads, dim=0, num_chunks=world, out=full.view(world, bucket.shard_numel))
         if self.pre_scale != 1.0:
             full.mul_(self.pre_scale)
         work = self.comm.reduce_scatter_flat(output, full, async_op=True)
@@ -273,13 +342,6 @@ class GradientReducer:
         self._inflight.append(reduction)
         if slot is not None:
             self._busy[slot] = reduction
-
-    def _grad_or_zeros(self, sp: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor:
-        if grad is not None:
-            return grad.reshape(-1)
-        if self._zeros is None:
-            self._zeros = torch.zeros(self._largest_numel, dtype=self.dtype, device=self.device)
-        return self._zeros.narrow(0, 0, sp.numel)
 
     def _take_slot(self, may_block: bool) -> int | None:
         self.allocate_scratch()
@@ -289,8 +351,9 @@ class GradientReducer:
         for slot, busy in enumerate(self._busy):
             if busy is None:
                 return slot
-        if may_block or self._stream_waits:
-            oldest = min((r for r in self._busy if r is not None), key=self._inflight.index)
+        sent = [r for r in self._busy if isinstance(r, _Reduction)]  # a filling slot frees only once sent
+        if sent and (may_block or self._stream_waits):
+            oldest = min(sent, key=self._inflight.index)
             self._land(oldest)
             return oldest.slot
         return None  # see the Note: a fresh buffer rather than a wait that could hang

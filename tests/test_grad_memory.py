@@ -1,0 +1,85 @@
+"""Gradient memory is bounded by the configured bucket: the scratch is at most two buckets, and no
+gradient outlives its arrival (each is copied into its bucket's slot and autograd's tensor is freed)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+from zero3.runtime.grad_reducer import MIN_BUCKETS
+
+BUCKET = 20_000  # elements: the model below has ~140k trainable elements, so several buckets
+
+
+def cfg(bucket: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": bucket},
+    }
+
+
+def measure(rank: int, world: int, bucket: int) -> dict:
+    torch.manual_seed(0)
+    with zero3.Init(config=cfg(bucket)):
+        model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=3)
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg(bucket))
+    reducer = engine.reducer
+    arrived: list[weakref.ref] = []
+    outlived = 0
+    add = reducer.add
+
+    def watched_add(sp, grad):  # every earlier gradient must be gone by the time the next one comes
+        nonlocal outlived
+        outlived += sum(ref() is not None for ref in arrived)
+        arrived.append(weakref.ref(grad))
+        add(sp, grad)
+
+    reducer.add = watched_add
+    for x, y in models.batches("tokens", 3, 4 * world):
+        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.step()
+    element = torch.empty(0, dtype=reducer.dtype).element_size()
+    largest = max(sp.padded_numel for sp in engine.sharded_params)
+    result = {
+        "scratch_bytes": engine.model_state_bytes()["contiguous_grad_buffer"],
+        "bucket_bytes": -(-max(bucket, largest) // world) * world * element,
+        "buckets": len(reducer.buckets),
+        "slots": reducer.slots,
+        "arrivals": len(arrived),
+        "outlived": outlived,
+        "fresh": reducer.fresh_buffers,
+        "capacity_bytes": reducer.capacity * element,
+        "trainable_numel": sum(sp.padded_numel for sp in engine.optimizer.params),
+        "largest_bytes": largest * element,
+    }
+    engine.destroy()
+    return result
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int) -> None:
+    for result in run_ranks(world, measure, BUCKET):
+        assert result["buckets"] > 2 and result["slots"] == 2
+        assert result["scratch_bytes"] == 2 * result["bucket_bytes"]
+        assert result["arrivals"] > result["buckets"]
+        assert result["outlived"] == 0  # copied into the slot on arrival; autograd's tensor freed
+        if world == 1:
+            assert result["fresh"] == 0  # nothing in flight there: a slot is always free
+
+
+def test_a_bucket_larger_than_the_model_still_cuts_it_in_several() -> None:
+    # DeepSpeed's default bucket holds this model many times: buckets of a MIN_BUCKETS-th of it instead,
+    # so reductions overlap the backward and the scratch is half the model's gradients, not all of them.
+    (result,) = run_ranks(1, measure, 500_000_000)
+    assert result["buckets"] >= MIN_BUCKETS and result["slots"] == 2
+    assert result["scratch_bytes"] == 2 * result["capacity_bytes"]
+    assert result["capacity_bytes"] <= -(-result["trainable_numel"] // MIN_BUCKETS) * 2 + result["largest_bytes"]
+    assert result["outlived"] == 0
