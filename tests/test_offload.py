@@ -255,6 +255,32 @@ def test_disk_offload_releases_resident_memory(tmp_path: Path, non_blocking: boo
         assert result["rise"] >= 0.8 * result["data_bytes"], result
 
 
+def released_on_return(rank: int, world: int, root: str) -> dict:
+    """20 blocking offloads to disk: when the call returns, the parked buffers' memory is free (no I/O
+    thread still holds a view of it), and a scratch bucket that never existed is not made by reload."""
+    engine, model = build(rank, world, zero={"stage3_param_persistence_threshold": 0})
+    scratch_before = engine.model_state_bytes()["contiguous_grad_buffer"]  # no backward yet: none
+    engine.offload_states(device="nvme", nvme_path=root)
+    engine.reload_states()
+    scratch_after = engine.model_state_bytes()["contiguous_grad_buffer"]
+    late = 0
+    for _ in range(20):
+        # Each buffer's storage, held here only: once the call returns, nothing else may hold it.
+        held = [buffer.tensor.untyped_storage() for buffer in engine._state_buffers(OffloadStateType.optim_states)]
+        engine.offload_states(include=[OffloadStateType.optim_states], device="nvme", nvme_path=root)
+        late += sum(torch._C._storage_Use_Count(storage._cdata) > 1 for storage in held)
+        del held
+        engine.reload_states()
+    engine.destroy()
+    return {"scratch": (scratch_before, scratch_after), "late": late}
+
+
+def test_a_disk_offload_frees_memory_before_it_returns_and_reload_makes_no_new_bucket(tmp_path: Path) -> None:
+    (result,) = run_ranks(1, released_on_return, str(tmp_path))
+    assert result["scratch"] == (0, 0)
+    assert result["late"] == 0
+
+
 # ---- misuse ------------------------------------------------------------------------------------
 def _limit_file_size(limit: int) -> None:
     import resource

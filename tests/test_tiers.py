@@ -225,7 +225,7 @@ def test_destroy_removes_every_tier_file(parity_results: list[dict]) -> None:
 
 
 # ---- 6: offload_states / reload_states with every tier ---------------------------------------------------
-def parking(rank: int, world: int, root: str, park: str) -> dict:
+def parking(rank: int, world: int, root: str, park: str | None) -> dict:
     out: dict[str, Any] = {}
     for name, zero in tiers(root).items():
         engine, model = build(zero)
@@ -233,7 +233,7 @@ def parking(rank: int, world: int, root: str, park: str) -> dict:
         losses = train(engine, rank, world, batches[:2])
         before = local_state(engine, model)
         written_before = engine.disk.bytes_written
-        engine.offload_states(device="nvme", nvme_path=park)
+        engine.offload_states(device="nvme", nvme_path=park or root)
         parked = engine.state_report()
         # 5: parking goes through the tiers' own disk layer and host pool, not a second one.
         shared = engine.offloader.disk is engine.disk and engine.offloader.host.pool is engine.host_pool
@@ -249,10 +249,12 @@ def parking(rank: int, world: int, root: str, park: str) -> dict:
     return out
 
 
-def test_every_tier_parks_on_disk_and_comes_back_home_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("park_at", ["own_path", "tier_path"])
+def test_every_tier_parks_on_disk_and_comes_back_home_bit_exact(tmp_path: Path, park_at: str) -> None:
+    # tier_path: parked beside the tier's own files (the default nvme_path), whose names they must not take.
     root, park = tmp_path / "tier", tmp_path / "park"
     root.mkdir()
-    (result,) = run_ranks(1, parking, str(root), str(park))
+    (result,) = run_ranks(1, parking, str(root), str(park) if park_at == "own_path" else None)
     for name, r in result.items():
         assert r["exact"], name
         assert r["losses"] == result["none"]["losses"], name

@@ -1,8 +1,9 @@
 """Consolidated weights users can take away: safetensors files, sharded in Hugging Face's layout when large.
 
 Both ways out use `ShardedSafetensors`: `engine.save_16bit_model` from a live
-engine (gathering one unit at a time; rank 0 writes) and `zero3 export` from
-a checkpoint (one process, one shard's worth of tensors in memory at most).
+engine (streamed by `engine.iter_full_params`, one parameter gathered at a
+time; rank 0 writes) and `zero3 export` from a checkpoint (one process, one
+shard's worth of tensors in memory at most).
 Each parameter is written once under one name: a tied weight under its
 first name, which `safetensors.torch.load_model` maps back onto every name.
 """
@@ -103,22 +104,16 @@ def save_live(
     engine: ZeroEngine, save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int,
     exclude_frozen_parameters: bool,
 ) -> list[Path]:
-    """Gather one unit at a time (collective); rank 0 writes each parameter once, then the buffers."""
-    from zero3.partition.gathered import GatheredParameters
-
+    """Stream the whole parameters (`engine.iter_full_params`: one gathered at a time, collective);
+    rank 0 writes each once (a tied weight under its first name), then the buffers."""
     writer = ShardedSafetensors(save_dir, filename, max_shard_bytes) if engine.global_rank == 0 else None
-    written_params: set[int] = set()
-    names = {id(p): name for name, p in engine.module.named_parameters()}  # a tied weight: its first name
-    for unit in engine.all_units:
-        params = [sp.param for sp in unit.params if not (exclude_frozen_parameters and not sp.param.requires_grad)]
-        if not params:
-            continue
-        with GatheredParameters(params):
-            if writer is not None:
-                for param in params:
-                    if id(param) not in written_params:
-                        writer.add(names[id(param)], param.data)
-                        written_params.add(id(param))
+    names = None
+    if exclude_frozen_parameters:
+        names = [name for name, param in engine.module.named_parameters() if param.requires_grad]
+    for name, tensor in engine.iter_full_params(names=names):
+        if writer is not None:
+            # Kept past the next item, so copied (moving it to the host copies a device tensor already).
+            writer.add(name, tensor.clone() if tensor.device.type == "cpu" else tensor)
     if writer is None:
         return []
     for name, value in persistent_buffers(engine).items():  # never partitioned: whole on every rank

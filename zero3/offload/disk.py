@@ -79,7 +79,10 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, held: list[memoryview], offset: int) -> None:
+    # The chunk comes in a list the write empties: the executor's work item keeps its arguments until
+    # after the future's callbacks ran, and a parked buffer's memory must be free when they do.
+    data = held.pop()
     while data:
         written = os.pwrite(fd, data, offset)
         data = data[written:]
@@ -153,7 +156,8 @@ class DiskFile:
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = path
         self.nbytes = nbytes
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # O_EXCL: a rank's directory holds only its own live files; never truncate one of them.
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if nbytes:
                 os.posix_fallocate(self.fd, 0, nbytes)
@@ -228,7 +232,7 @@ class DiskTier:
             raise ValueError(f"{file.path} holds {file.nbytes} bytes; cannot write {len(data)} at {offset}")
         self.bytes_written += len(data)
         return [
-            self._executor().submit(_pwrite_all, file.fd, data[start : start + self.chunk_bytes], offset + start)
+            self._executor().submit(_pwrite_all, file.fd, [data[start : start + self.chunk_bytes]], offset + start)
             for start in range(0, len(data), self.chunk_bytes)
         ]
 

@@ -29,7 +29,7 @@ from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer, empty_host
 from zero3.offload.host import HostBufferPool, HostTier
 from zero3.offload.report import StateReport
-from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 
 log = logging.getLogger("zero3")
 
@@ -108,6 +108,21 @@ class StateOffloader:
         self.settle()
         return {buffer.device for buffer in self._held(state)}
 
+    def read_parked(self, buffer: FlatBuffer, offset: int, into: torch.Tensor) -> None:
+        """Elements [offset, offset + into.numel()) of a buffer parked on disk, read from its file into
+        `into` (a contiguous host tensor of the buffer's dtype); the buffer stays parked.
+        Call `settle()` first: a write still finishing has no complete file yet."""
+        if into.dtype != buffer.dtype or into.device.type != "cpu" or not into.is_contiguous():
+            raise ValueError(
+                f"read_parked: expected a contiguous host {buffer.dtype} tensor, got {into.dtype} on {into.device}"
+            )
+        for entries in self._parked.values():
+            for entry in entries:
+                if entry.buffer is buffer and entry.file is not None and entry.writing is None:
+                    self.disk.read_now(entry.file, into, offset * into.element_size())
+                    return
+        raise StateOffloadedError(f"buffer {buffer.name!r} is not parked on disk (or its writes are still finishing)")
+
     def report(self) -> StateReport:
         self.settle()
         entries: dict[str, dict[str, int]] = {}
@@ -175,7 +190,8 @@ class StateOffloader:
         files: dict[str, DiskFile] = {}
         if target is OffloadDevice.nvme and moving:
             assert nvme_path is not None
-            files = self.disk.reserve(nvme_path, {b.name: b.nbytes for bs in moving.values() for b in bs})
+            # "parked-": the tiers keep their own files (lp_params.bin...) in the same directory.
+            files = self.disk.reserve(nvme_path, {f"parked-{b.name}": b.nbytes for bs in moving.values() for b in bs})
         free_scratch = SCRATCH in states and SCRATCH not in away
         prepare(set(moving) | ({SCRATCH} if free_scratch else set()))
         writes: Transfer | None = None
@@ -193,9 +209,10 @@ class StateOffloader:
             )
         # Last, so a failed write leaves the scratch bucket where it was too.
         if free_scratch:
-            freed = self._scratch.scratch.nbytes if self._scratch.scratch is not None else 0
+            existed = self._scratch.scratch is not None  # made at the first backward: none before it
+            freed = self._scratch.scratch.nbytes if existed else 0
             self._scratch.free_scratch()
-            self._scratch_freed = True
+            self._scratch_freed = existed  # so reload recreates only a bucket that was there
             self._scratch_freed_with = writes
             log.info("offload_states: contiguous_grad_buffer freed (%s); reload_states() recreates it", _mib(freed))
         accelerator.release_host_memory()
@@ -214,7 +231,7 @@ class StateOffloader:
         self, moving: dict[OffloadStateType, list[FlatBuffer]], files: dict[str, DiskFile], non_blocking: bool
     ) -> Transfer:
         entries = [
-            (state, _Parked(buffer, OffloadDevice.nvme, buffer.device, files[buffer.name]))
+            (state, _Parked(buffer, OffloadDevice.nvme, buffer.device, files[f"parked-{buffer.name}"]))
             for state, buffers in moving.items() for buffer in buffers
         ]
         # The bytes to write: the buffer itself on the CPU; a transient host copy of a device buffer.

@@ -474,6 +474,39 @@ class ZeroEngine:
         self.comm.barrier()  # the files are complete on every rank's return
         return True
 
+    def iter_full_params(
+        self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` for every parameter, whole, one gathered at a time; collective.
+
+        For handing weights to a generator: vLLM's `model.load_weights(weights=...)`,
+        SGLang's `update_weights_from_tensor` (see examples/generator_weights.py).
+        Every rank calls it with the same arguments and iterates it to the end.
+
+        A yielded tensor is valid only until the next item is requested: the
+        consumer copies it (as vLLM's load_weights does) and never modifies it
+        (it is a view of a buffer reused for the next parameter, or in a world
+        of one of the engine's own shard). Extra memory is that one buffer, the
+        size of the largest parameter streamed: at most the largest unit. A tied weight comes once, under its first name
+        (named_parameters order; with `names`, its first name listed). `names` restricts what is yielded; a name the
+        model does not have raises ValueError before anything is gathered.
+        `dtype` casts (None: the compute dtype, as stored). Works while states
+        are parked by offload_states, lp_params included: they are read where
+        they rest (host memory or disk), one parameter at a time, and stay
+        parked. Works with the offload_param tiers. Buffers are not yielded.
+        """
+        from zero3.runtime import full_params
+
+        self._check_alive()
+        self._check_between_steps("iter_full_params")
+        if self.optimizer is not None and self.optimizer.lp_stale:
+            # A step failed on disk after writing some 16-bit shards: they are rewritten from the masters.
+            self.optimizer.repair_lp()
+            self._refresh_gathered()
+        return full_params.stream(
+            self.module, self.comm, self.offloader, self.compute_dtype if dtype is None else dtype, names,
+        )
+
     def wait_for_checkpoint(self) -> None:
         """Wait for an async save still writing (raises its error, if it failed)."""
         pending, self._pending_checkpoint = self._pending_checkpoint, None

@@ -1,0 +1,174 @@
+"""Whole parameters, streamed one at a time: `engine.iter_full_params`, for a generator's weight loading.
+
+[Note: streaming whole parameters]
+An RLHF loop hands the actor's weights to a generator (vLLM's
+`load_weights`, SGLang's `update_weights_from_tensor`) every few steps, often
+while the actor's other states are parked. Each parameter is gathered on its
+own into one flat buffer, reused for every parameter: this rank's shard is
+written straight into its chunk of the buffer and all-gathered in place, and
+the rank-major output of one parameter already is its padded full value, so
+nothing is copied out. The extra memory is that buffer: the largest streamed
+parameter, so at most the largest unit. (Gathering a whole unit in one
+collective would hold its output and a copy-out buffer: twice the unit. A
+fresh buffer per parameter could briefly overlap the last one, which a
+collective's worker thread may still be letting go of.) Reusing the buffer is
+why a yielded tensor is valid only until the next one is asked for.
+
+The shard is read from wherever `lp_params` is, without moving the state:
+the flat buffer on the device or in host memory (the offload_param cpu tier,
+or parked by `offload_states(device="cpu")`), the tier's file (offload_param
+nvme), or the file `offload_states(device="nvme")` parked it in. Only the one
+parameter's range is read, straight into its chunk when it needs no cast and
+no device copy (else through host pieces of at most STAGING_BYTES); the state
+stays parked and `state_report()` does not change.
+
+`dtype` is applied to the shard before the gather: a cast is elementwise, so
+it gives the values a cast of the whole would, and the gathered buffer is
+already the tensor the consumer gets. A world of one has nothing to gather: a
+shard in memory, on the device, in the asked dtype is the whole parameter,
+and is yielded as a view of it (no memory at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from zero3.comm import Communicator
+from zero3.partition.flat_buffer import FlatBuffer, Slot
+from zero3.partition.sharded_param import ShardedParam, require_sharded
+
+
+# The host memory a shard read from disk passes through when it is cast or bound for a device.
+STAGING_BYTES = 64 << 20
+
+
+class ParkedStates(Protocol):
+    """Where `offload_states` put the states (the StateOffloader)."""
+
+    def settle(self) -> None: ...
+
+    def read_parked(self, buffer: FlatBuffer, offset: int, into: torch.Tensor) -> None: ...
+
+
+def stream(
+    module: nn.Module,
+    comm: Communicator,
+    parked: ParkedStates,
+    dtype: torch.dtype,
+    names: Iterable[str] | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Check the request (collective: every rank the same), then return the stream of whole parameters.
+
+    The checks run now, not at the first `next()`: an unknown name raises before anything is gathered.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"iter_full_params: dtype must be a torch.dtype or None, got {dtype!r}")
+    wanted: list[str] | None = None
+    if names is not None:
+        listed = [] if isinstance(names, str) else list(names)
+        if isinstance(names, str) or not all(isinstance(name, str) for name in listed):
+            raise TypeError(f"iter_full_params: names must be a collection of parameter names (str), got {names!r}")
+        wanted = sorted(set(listed))
+    _check_same_request(comm, dtype, wanted)
+    chosen = select(module, wanted)
+    return _gathered(chosen, comm, parked, dtype)
+
+
+def select(module: nn.Module, names: Collection[str] | None) -> list[tuple[str, ShardedParam]]:
+    """(name, parameter) in named_parameters order, each parameter once: a tied weight under its first
+    name, or, with `names`, under its first name that `names` holds. Unknown names raise ValueError."""
+    wanted = None if names is None else set(names)
+    known: set[str] = set()
+    chosen: dict[int, tuple[str, ShardedParam]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        known.add(name)
+        if id(param) in chosen or (wanted is not None and name not in wanted):
+            continue
+        chosen[id(param)] = (name, require_sharded(param, f"iter_full_params: parameter {name}"))
+    unknown = sorted(wanted - known) if wanted is not None else []
+    if unknown:
+        raise ValueError(f"iter_full_params: the model has no parameter named {', '.join(map(repr, unknown))}")
+    return list(chosen.values())
+
+
+def _check_same_request(comm: Communicator, dtype: torch.dtype, names: list[str] | None) -> None:
+    """Every rank asks for the same stream, or every rank raises (different ones would gather
+    different parameters and hang, or trade shards of different parameters)."""
+    if comm.world_size == 1:
+        return
+    requests = comm.all_gather_objects((str(dtype), names))
+    if any(request != requests[0] for request in requests):
+        differing = [rank for rank, request in enumerate(requests) if request != requests[0]]
+        raise ValueError(
+            "iter_full_params is collective: every rank must pass the same dtype and names "
+            f"(ranks {differing} differ from rank 0)"
+        )
+
+
+class _GatherBuffer:
+    """The one flat buffer every parameter is gathered into in turn, made at its first use."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._tensor: torch.Tensor | None = None
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self._tensor[:numel]
+
+
+def _gathered(
+    chosen: list[tuple[str, ShardedParam]], comm: Communicator, parked: ParkedStates, dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if not chosen:
+        return
+    parked.settle()  # background offload writes or reloads land first: each buffer is where it says
+    output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device)
+    for name, sp in chosen:
+        yield name, _whole(sp, comm, parked, output)
+    del output
+    comm.forget_released()  # the collectives' aliases of the buffer go with it
+
+
+def _whole(sp: ShardedParam, comm: Communicator, parked: ParkedStates, output: _GatherBuffer) -> torch.Tensor:
+    """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
+    slot = sp.lp_slot
+    assert slot is not None, f"parameter {sp.name} has no shard storage"
+    buffer = slot.buffer
+    in_place = not buffer.parked and buffer.dtype == output.dtype and buffer.device == output.device
+    if comm.world_size == 1 and in_place:
+        return slot.view()[: sp.numel].view(sp.shape)  # a world of one: the shard is the parameter
+    full = output.take(sp.padded_numel)
+    own = full.narrow(0, comm.rank * sp.shard_numel, sp.shard_numel)
+    _read_shard(slot, own, parked)
+    if comm.world_size > 1 and sp.shard_numel > 0:
+        comm.all_gather_flat(full, own)  # in place: this rank's shard already sits in its chunk
+    return full[: sp.numel].view(sp.shape)
+
+
+def _read_shard(slot: Slot, into: torch.Tensor, parked: ParkedStates) -> None:
+    """This rank's shard of one parameter into `into` (cast to its dtype), from wherever it lives."""
+    buffer = slot.buffer
+    if not buffer.parked:
+        into.copy_(slot.view())  # on the device, or in host memory (a tier, or parked on the host)
+        return
+
+    def read(offset: int, values: torch.Tensor) -> None:
+        if buffer.store is not None:
+            buffer.store.read(offset, values)  # the offload_param nvme tier's own file
+        else:
+            parked.read_parked(buffer, offset, values)  # the file offload_states(device="nvme") wrote
+
+    if into.device.type == "cpu" and into.dtype == buffer.dtype:
+        read(slot.offset, into)  # straight into its place
+        return
+    step = max(1, STAGING_BYTES // buffer.dtype.itemsize)  # a cast, or a device: through bounded host pieces
+    for start in range(0, slot.numel, step):
+        staging = torch.empty(min(step, slot.numel - start), dtype=buffer.dtype)
+        read(slot.offset + start, staging)
+        into[start : start + staging.numel()].copy_(staging)
