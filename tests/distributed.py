@@ -48,3 +48,18 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
             join=True, start_method="spawn",
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# What a rank of a world (or an in-process world of one, via zero3.comm.init_distributed) leaves in
+# os.environ: a script started from a test must not inherit it (it would rendezvous on a used port).
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def script_env(repo: str, **extra: str) -> dict[str, str]:
+    """The environment for a script a test runs as a subprocess: this one, minus any rendezvous
+    variables, with the repository importable."""
+    env = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env.update(extra)
+    return env

@@ -13,7 +13,6 @@ logits (within 1e-5). Then the script runs end to end as a subprocess.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 import zero3
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, script_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "hf_causal_lm.py"
@@ -125,7 +124,7 @@ def test_the_script_runs_end_to_end(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), "--steps", "2", "--hidden", "32", "--layers", "1", "--heads", "4",
          "--seq-len", "16", "--micro-batch", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+        env=script_env(str(REPO)),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

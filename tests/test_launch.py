@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, script_env
 
 # A user's training script: build under Init, train 4 steps on this rank's share of each batch.
 TRAIN = textwrap.dedent(
@@ -54,7 +53,7 @@ def test_two_ranks_under_torchrun(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True, text=True, timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True, text=True, timeout=300, cwd=repo, env=script_env(str(repo)),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
