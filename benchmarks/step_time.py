@@ -13,7 +13,10 @@ gloo backend, one thread per rank, once per engine:
                         ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``,
                         ``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_(1.0)``;
 * ``deepspeed``      -- the zero3 config handed to DeepSpeed, only if ``import deepspeed``
-                        works (it is not a dependency; nothing installs it).
+                        works (it is not a dependency; nothing installs it);
+* ``ddp``            -- plain PyTorch: ``DistributedDataParallel`` (no wrapper at world size 1), fp32
+                        parameters under ``torch.autocast`` in the benchmark's precision, fused
+                        ``torch.optim.AdamW`` and ``clip_grad_norm_(1.0)``: the floor an engine is held to.
 
 Every engine starts from the same init (same seed; ``zero3.Init`` reproduces the
 single-process init) and sees the same global batches (a ``torch.Generator``
@@ -22,12 +25,20 @@ losses are comparable.
 
 Each engine runs in its own freshly launched set of worker processes
 (``torch.distributed.launcher.api.elastic_launch``, the machinery behind
-torchrun), so each engine's peak RSS is its own. Per step: ``dist.barrier()``,
-then the step is timed with ``time.perf_counter``; a step's time is the slowest
-rank's. Results: a rich table, zero3/FSDP2 ratios, and JSON at ``--out``.
+torchrun), so each engine's peak memory is its own: RSS on the CPU,
+``torch.cuda.max_memory_allocated`` on a GPU. ``--rounds N`` runs every engine
+N times, alternating (engine order rotated each round), so a machine's drift
+lands on all of them; an engine's figure is the median over its runs of each
+run's median step. Per step: ``dist.barrier()``, then the step is timed with
+``time.perf_counter`` (after ``torch.cuda.synchronize`` on a GPU); a step's
+time is the slowest rank's. Results: a rich table, zero3's ratio to every
+other engine (time and peak memory), and JSON at ``--out``. The same command
+runs on a CUDA machine (``--device cuda``, or auto: nccl, one GPU per rank).
 
     python benchmarks/step_time.py                 # defaults: about 1-2 minutes
     python benchmarks/step_time.py --profile       # also cProfile rank 0 of zero3
+    python benchmarks/step_time.py --breakdown     # also torch.profiler: how zero3's step splits
+    python benchmarks/step_time.py --engines zero3,fsdp2,deepspeed,ddp --n-layer 6 --n-embd 512 --rounds 5
     python benchmarks/step_time.py --engines zero3,deepspeed --offload-optimizer cpu --precision fp32 \
         --n-layer 8 --n-embd 512                   # ZeRO-Offload against DeepSpeed's (where it imports)
 """
@@ -35,6 +46,7 @@ rank's. Results: a rich table, zero3/FSDP2 ratios, and JSON at ``--out``.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -59,7 +71,7 @@ from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, GPTConfig
 
-ENGINES = ("zero3", "zero3-persist0", "fsdp2", "deepspeed")
+ENGINES = ("zero3", "zero3-persist0", "fsdp2", "deepspeed", "ddp")
 _REPO = Path(__file__).resolve().parent.parent
 _DEFAULT_OUT = _REPO / "benchmarks" / "results" / "step_time.json"
 
@@ -82,6 +94,9 @@ class Job:
     offload_optimizer: str = "none"
     precision: str = "bf16"
     reduce_bucket_size: int | None = None
+    device: str = "cpu"
+    breakdown: bool = False
+    breakdown_out: str = ""
 
 
 def ds_config(
@@ -139,14 +154,21 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return step
 
 
+def _device(job: Job) -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if job.device == "cuda" else torch.device("cpu")
+
+
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
     cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size)
+    cfg["wall_clock_breakdown"] = job.breakdown
     torch.manual_seed(job.seed)
-    with zero3.Init(config=cfg):
+    with zero3.Init(config=cfg, device=_device(job)):
         model = GPT(job.model)
-    engine, _, _, _ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = zero3.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg, device=_device(job),
+    )
     step = _engine_step(engine)
 
     def state_bytes() -> dict[str, int]:
@@ -160,8 +182,8 @@ def _build_fsdp2(job: Job):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(job.seed)
-    model = GPT(job.model)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = GPT(job.model).to(_device(job))
+    mesh = init_device_mesh(_device(job).type, (dist.get_world_size(),))
     dtype = torch.bfloat16 if job.precision == "bf16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for block in model.blocks:
@@ -212,6 +234,43 @@ def _build_deepspeed(job: Job):
     return step, state_bytes, getattr(engine, "destroy", lambda: None)
 
 
+def _build_ddp(job: Job):
+    """Plain PyTorch data parallelism: every rank holds the whole model and optimizer."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = _device(job)
+    torch.manual_seed(job.seed)
+    model = GPT(job.model).to(device)
+    wrapped = model
+    if dist.get_world_size() > 1:
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    dtype = torch.bfloat16 if job.precision == "bf16" else torch.float32
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = wrapped(x, y)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return out["loss"].detach()
+
+    def state_bytes() -> dict[str, int]:
+        params = list(model.parameters())
+        states = {
+            "params": sum(_tensor_bytes(p) for p in params),
+            "grads": sum(_tensor_bytes(p.grad) for p in params),
+            "optim_states": sum(
+                _tensor_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+            ),
+        }
+        states["total"] = sum(states.values())
+        return states
+
+    return step, state_bytes, lambda: None
+
+
 def _build(job: Job):
     if job.engine == "zero3":
         return _build_zero3(job, None)
@@ -221,6 +280,8 @@ def _build(job: Job):
         return _build_fsdp2(job)
     if job.engine == "deepspeed":
         return _build_deepspeed(job)
+    if job.engine == "ddp":
+        return _build_ddp(job)
     raise ValueError(job.engine)
 
 
@@ -230,7 +291,10 @@ def _build(job: Job):
 def worker(job: Job) -> dict[str, Any]:
     """Runs in every spawned process (module level, so it can be pickled)."""
     torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
+    device = _device(job)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = CharTokenizer(load_corpus()).encode(load_corpus())
     step, state_bytes, close = _build(job)
@@ -240,17 +304,27 @@ def worker(job: Job) -> dict[str, Any]:
     times: list[float] = []
     losses: list[float] = []
     profiler = cProfile.Profile() if job.profile and rank == 0 else None
+    tracer = _Breakdown() if job.breakdown and rank == 0 else None
     for i in range(job.warmup + job.steps):
         generator.manual_seed(_batch_seed(job.seed, i))
         x_all, y_all = sample_global_batch(tokens, job.model.block_size, rows * world, generator)
-        x, y = x_all[rank * rows : (rank + 1) * rows], y_all[rank * rows : (rank + 1) * rows]
+        x = x_all[rank * rows : (rank + 1) * rows].to(device)
+        y = y_all[rank * rows : (rank + 1) * rows].to(device)
         timed = i >= job.warmup
+        if timed and i == job.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _synchronize(device)
         dist.barrier()
         if profiler is not None and timed:
             profiler.enable()
+        if tracer is not None and timed:
+            tracer.start()
         t0 = time.perf_counter()
         loss = step(x, y)
-        elapsed = time.perf_counter() - t0  # CPU: every op has finished when it returns
+        _synchronize(device)
+        elapsed = time.perf_counter() - t0
+        if tracer is not None and timed:
+            tracer.stop(elapsed)
         if profiler is not None and timed:
             profiler.disable()
         losses.append(float(loss))
@@ -260,6 +334,7 @@ def worker(job: Job) -> dict[str, Any]:
     states = state_bytes()
     if profiler is not None:
         profiler.dump_stats(job.profile_out)
+    breakdown = tracer.split() if tracer is not None else None
     close()
     dist.barrier()
     dist.destroy_process_group()
@@ -269,7 +344,79 @@ def worker(job: Job) -> dict[str, Any]:
         "losses": losses,
         "model_state_bytes": states,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "breakdown": breakdown,
     }
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Profiler event names by part of a step. Communication: the collectives and their waits (gloo runs
+# them on its own threads; what this thread spends is the wait). Optimizer: torch's step, which zero3
+# and every baseline call. Everything else torch runs is compute; the wall time no op accounts for is
+# Python: the engine's hooks and bookkeeping, and the model's own Python.
+_COMM_MARKERS = ("c10d", "gloo", "nccl", "all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce",
+                 "barrier", "record_param_comms", "wait")
+
+
+class _Breakdown:
+    """torch.profiler over the timed steps of rank 0: time per part of a step (see the markers above)."""
+
+    def __init__(self) -> None:
+        self.wall_s = 0.0
+        self.steps = 0
+        self.parts: dict[str, float] = {"compute": 0.0, "communication": 0.0, "optimizer": 0.0}
+        self._profiler: Any = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU])
+        self._profiler.__enter__()
+
+    def stop(self, wall_s: float) -> None:
+        self._profiler.__exit__(None, None, None)
+        self.wall_s += wall_s
+        self.steps += 1
+        events = self._profiler.events()
+        # The training thread: the one that ran the most ops (autograd's and gloo's threads run fewer).
+        main_thread = collections.Counter(event.thread for event in events).most_common(1)[0][0]
+        optimizer_ids = set()
+        for event in events:
+            if event.name.startswith("Optimizer.step#"):
+                optimizer_ids.add(event.id)
+        for event in events:
+            if event.device_type.name != "CPU" or event.name.startswith("Optimizer.step#"):
+                continue
+            if event.thread != main_thread:
+                continue  # gloo's and autograd's worker threads overlap this one: their time is not the step's
+            seconds = event.self_cpu_time_total / 1e6
+            if _under(event, optimizer_ids):
+                self.parts["optimizer"] += seconds
+            elif any(marker in event.name.lower() for marker in _COMM_MARKERS):
+                self.parts["communication"] += seconds
+            elif event.name.startswith("aten::") or event.name.startswith("autograd::"):
+                self.parts["compute"] += seconds
+        self._profiler = None
+
+    def split(self) -> dict[str, float]:
+        per_step = {name: seconds / max(self.steps, 1) * 1e3 for name, seconds in self.parts.items()}
+        wall = self.wall_s / max(self.steps, 1) * 1e3
+        per_step["python_hooks_other"] = max(wall - sum(per_step.values()), 0.0)
+        per_step["profiled_step"] = wall
+        return {f"{name}_ms": value for name, value in per_step.items()}
+
+
+def _under(event: Any, ids: set[int]) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.id in ids:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 # ------------------------------------------------------------------- the launch
@@ -311,6 +458,7 @@ def summarize(per_rank: dict[int, dict[str, Any]], tokens_per_step: int) -> dict
     # A step takes as long as its slowest rank.
     step_s = [max(vals) for vals in zip(*(r["step_times_s"] for r in ranks))]
     losses = [statistics.fmean(vals) for vals in zip(*(r["losses"] for r in ranks))]
+    peak_device = [r.get("peak_device_bytes") for r in ranks]
     return {
         "median_ms": statistics.median(step_s) * 1e3,
         "p90_ms": _percentile(step_s, 90) * 1e3,
@@ -324,7 +472,26 @@ def summarize(per_rank: dict[int, dict[str, Any]], tokens_per_step: int) -> dict
         "per_rank_step_times_ms": [[t * 1e3 for t in r["step_times_s"]] for r in ranks],
         "model_state_bytes": [r["model_state_bytes"] for r in ranks],
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+        "peak_device_bytes": peak_device if any(b is not None for b in peak_device) else None,
+        "breakdown": ranks[0].get("breakdown"),
     }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's alternated runs: the median of the runs' medians, the largest peak; each run kept."""
+    combined = dict(runs[-1])
+    combined["median_ms"] = statistics.median(run["median_ms"] for run in runs)
+    combined["run_medians_ms"] = [run["median_ms"] for run in runs]
+    combined["peak_memory_bytes"] = statistics.median(_peak(run) for run in runs)
+    combined["run_peaks_bytes"] = [_peak(run) for run in runs]
+    combined["runs"] = runs
+    return combined
+
+
+def _peak(run: dict[str, Any]) -> int:
+    """Peak memory of a run: the largest rank's device peak on a GPU, else the largest rank's RSS."""
+    device = run.get("peak_device_bytes")
+    return max(device) if device else max(run["peak_rss_bytes"])
 
 
 def _mib(n: float) -> str:
@@ -335,59 +502,61 @@ def print_report(results: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     meta = results["setup"]
+    memory = "peak GPU MiB (max allocated)" if meta["device"] == "cuda" else "peak RSS MiB"
     table = Table(
         title=(
             f"Step time, GPT {meta['num_parameters']:,} params (n_layer {meta['n_layer']}, "
             f"n_embd {meta['n_embd']}, block {meta['block_size']}), micro batch {meta['micro_batch']} x "
-            f"{meta['nproc']} ranks, gloo, 1 thread/rank, {meta['warmup']} warmup + {meta['steps']} timed steps"
+            f"{meta['nproc']} ranks, {meta['device']}, {meta['precision']}, {meta['warmup']} warmup + "
+            f"{meta['steps']} timed steps, {meta['rounds']} alternated run(s)"
         ),
-        caption="step = slowest rank's wall time after a per-step barrier; tokens/s = timed tokens / summed "
-        "step times; loss = mean over ranks; MiB per rank, listed rank 0, 1, ...",
+        caption="step = slowest rank's wall time after a per-step barrier; median = median over runs of each "
+        "run's median; loss = mean over ranks (last run); memory = largest rank's peak, median over runs",
     )
-    for name, justify in [("engine", "left"), ("median ms", "right"), ("p90 ms", "right"),
+    for name, justify in [("engine", "left"), ("median ms", "right"), ("run medians ms", "right"),
                           ("tokens/s", "right"), ("first loss", "right"), ("last loss", "right"),
-                          ("model state MiB", "right"), ("16P/N MiB", "right"), ("peak RSS MiB", "right")]:
+                          ("model state MiB", "right"), (memory, "right")]:
         table.add_column(name, justify=justify)
-    expected = 16 * meta["num_parameters"] / meta["nproc"]
     notes: list[str] = []
     for name, res in results["engines"].items():
         if "error" in res:
-            table.add_row(name, *(["-"] * 8))
+            table.add_row(name, *(["-"] * 7))
             notes.append(f"{name}: {res['error']}")
             continue
         totals = [s.get("total") for s in res["model_state_bytes"]]
         table.add_row(
             name,
             f"{res['median_ms']:.1f}",
-            f"{res['p90_ms']:.1f}",
+            " ".join(f"{m:.0f}" for m in res["run_medians_ms"]),
             f"{res['tokens_per_s']:,.0f}",
             f"{res['first_loss']:.4f}",
             f"{res['last_loss']:.4f}",
             " / ".join(_mib(t) if t is not None else "-" for t in totals),
-            _mib(expected),
-            " / ".join(_mib(b) for b in res["peak_rss_bytes"]),
+            _mib(res["peak_memory_bytes"]),
         )
     console.print(table)
     for note in notes:
         console.print(note, markup=False, highlight=False)
     for key, ratio in results["ratios"].items():
         console.print(f"{key}: [bold]{ratio:.3f}[/bold]")
+    for name, res in results["engines"].items():
+        if res.get("breakdown"):
+            parts = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in res["breakdown"].items())
+            console.print(f"{name} rank 0, ms per profiled step (torch.profiler inflates it): {parts}")
 
 
 def ratios(engines: dict[str, Any]) -> dict[str, float]:
+    """zero3's (and zero3-persist0's) step time and peak memory over every other engine's."""
     out: dict[str, float] = {}
-    base = engines.get("fsdp2")
-    if not base or "error" in base:
-        return out
-    base_bytes = statistics.fmean(s["total"] for s in base["model_state_bytes"])
     for name in ("zero3", "zero3-persist0"):
         res = engines.get(name)
         if not res or "error" in res:
             continue
-        out[f"{name}/fsdp2 median step time"] = res["median_ms"] / base["median_ms"]
-        out[f"{name}/fsdp2 model-state bytes"] = (
-            statistics.fmean(s["total"] for s in res["model_state_bytes"]) / base_bytes
-        )
+        for other, base in engines.items():
+            if other.startswith("zero3") or "error" in base:
+                continue
+            out[f"{name}/{other} median step time"] = res["median_ms"] / base["median_ms"]
+            out[f"{name}/{other} peak memory"] = res["peak_memory_bytes"] / base["peak_memory_bytes"]
     return out
 
 
@@ -430,6 +599,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero_optimization.reduce_bucket_size for zero3 and DeepSpeed (default: DeepSpeed's 5e8)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="fp32 on a CPU without bf16 matmul units (bf16 backward is ~30x slower there)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="runs per engine, alternating between engines; figures are medians over runs")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda: one GPU per rank, nccl; auto: cuda when there is a GPU for every rank")
+    p.add_argument("--breakdown", action="store_true",
+                   help="after the timed rounds, one more run per engine with torch.profiler on rank 0: how a step "
+                   "splits into compute, communication, optimizer and the rest (Python: hooks, bookkeeping)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
@@ -453,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
     gpt = GPTConfig(vocab_size=CharTokenizer(corpus).vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     tokens_per_step = args.micro_batch * args.nproc * args.block_size
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < args.nproc:
+        print(f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} GPU(s) for {args.nproc} ranks",
+              file=sys.stderr)
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     profile_path = str(args.out.with_suffix(".zero3-rank0.prof"))
 
@@ -467,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             "num_parameters": gpt.num_parameters(),
             "tokens_per_step": tokens_per_step,
             "launcher": "torch.distributed.launcher.api.elastic_launch",
-            "backend": "gloo",
+            "device": device,
+            "backend": "nccl" if device == "cuda" else "gloo",
             "threads_per_rank": 1,
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -477,10 +661,14 @@ def main(argv: list[str] | None = None) -> int:
         },
         "engines": {},
     }
+    runnable: list[str] = []
     for name in engines:
         if name == "fsdp2" and args.offload_optimizer != "none":
             console.print("fsdp2: no optimizer offload (its CPUOffloadPolicy moves parameters too); skipped")
             results["engines"][name] = {"error": "no optimizer-only offload"}
+            continue
+        if name == "ddp" and args.offload_optimizer != "none":
+            results["engines"][name] = {"error": "no optimizer offload"}
             continue
         if name == "deepspeed":
             try:
@@ -490,22 +678,42 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"deepspeed: {msg}; skipped")
                 results["engines"][name] = {"error": msg}
                 continue
-        job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
-                  warmup=args.warmup, seed=args.seed,
-                  profile=args.profile and name == "zero3", profile_out=profile_path,
-                  offload_optimizer=args.offload_optimizer, precision=args.precision,
-                  reduce_bucket_size=args.reduce_bucket_size)
-        console.print(f"running {name} ...")
-        t0 = time.perf_counter()
-        try:
-            per_rank = launch(job, args.nproc)
-        except Exception as exc:
-            msg = exc.format_msg() if hasattr(exc, "format_msg") else f"{type(exc).__name__}: {exc}"
-            console.print(f"[red]{name} failed[/red]:\n{msg}", markup=True, highlight=False)
-            results["engines"][name] = {"error": f"failed: {str(exc).splitlines()[0][:200]}"}
-            continue
-        results["engines"][name] = summarize(per_rank, tokens_per_step)
-        results["engines"][name]["launch_wall_s"] = time.perf_counter() - t0
+        runnable.append(name)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runnable}
+    for round_index in range(args.rounds):
+        shift = round_index % max(len(runnable), 1)
+        for name in runnable[shift:] + runnable[:shift]:  # rotated, so no engine always runs first
+            if name in results["engines"]:
+                continue  # failed in an earlier round
+            job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
+                      warmup=args.warmup, seed=args.seed,
+                      profile=args.profile and name == "zero3" and round_index == 0, profile_out=profile_path,
+                      offload_optimizer=args.offload_optimizer, precision=args.precision,
+                      reduce_bucket_size=args.reduce_bucket_size, device=device)
+            console.print(f"round {round_index + 1}/{args.rounds}: running {name} ...")
+            t0 = time.perf_counter()
+            try:
+                per_rank = launch(job, args.nproc)
+            except Exception as exc:
+                msg = exc.format_msg() if hasattr(exc, "format_msg") else f"{type(exc).__name__}: {exc}"
+                console.print(f"[red]{name} failed[/red]:\n{msg}", markup=True, highlight=False)
+                results["engines"][name] = {"error": f"failed: {str(exc).splitlines()[0][:200]}"}
+                continue
+            run = summarize(per_rank, tokens_per_step)
+            run["launch_wall_s"] = time.perf_counter() - t0
+            runs[name].append(run)
+    for name in runnable:
+        if name not in results["engines"]:
+            results["engines"][name] = combine(runs[name])
+    if args.breakdown:  # one more run each, profiled, kept out of the timings (the profiler slows a step)
+        for name in runnable:
+            if "error" in results["engines"][name]:
+                continue
+            job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
+                      seed=args.seed, offload_optimizer=args.offload_optimizer, precision=args.precision,
+                      reduce_bucket_size=args.reduce_bucket_size, device=device, breakdown=True)
+            console.print(f"profiling {name} ...")
+            results["engines"][name]["breakdown"] = summarize(launch(job, args.nproc), tokens_per_step)["breakdown"]
     results["ratios"] = ratios(results["engines"])
 
     print_report(results, console)
