@@ -135,6 +135,20 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
 
 
 # ------------------------------------------------------------------ the engines
+
+
+def _torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state of a plain torch optimizer (DTensors: the shard)."""
+    params = list(model.parameters())
+    states = {
+        "params": sum(_tensor_bytes(p) for p in params),
+        "grads": sum(_tensor_bytes(p.grad) for p in params),
+        "optim_states": sum(
+            _tensor_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        ),
+    }
+    states["total"] = sum(states.values())
+    return states
 #
 # Each builder returns (step, state_bytes, close): step(x, y) -> loss (detached),
 # state_bytes() -> {name: bytes on this rank}, close() tears the engine down.
@@ -203,17 +217,7 @@ def _build_fsdp2(job: Job):
     def state_bytes() -> dict[str, int]:
         # This rank's shards (DTensor local tensors): fp32 params, their fp32 grads
         # (reduced in bf16, then cast back to the param dtype) and Adam's moments.
-        params = list(model.parameters())
-        p_bytes = sum(_tensor_bytes(p) for p in params)
-        g_bytes = sum(_tensor_bytes(p.grad) for p in params)
-        optim = 0
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    optim += _tensor_bytes(value)
-        states = {"params": p_bytes, "grads": g_bytes, "optim_states": optim}
-        states["total"] = sum(states.values())
-        return states
+        return _torch_state_bytes(model, opt)
 
     return step, state_bytes, lambda: None
 
@@ -257,16 +261,7 @@ def _build_ddp(job: Job):
         return out["loss"].detach()
 
     def state_bytes() -> dict[str, int]:
-        params = list(model.parameters())
-        states = {
-            "params": sum(_tensor_bytes(p) for p in params),
-            "grads": sum(_tensor_bytes(p.grad) for p in params),
-            "optim_states": sum(
-                _tensor_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
-            ),
-        }
-        states["total"] = sum(states.values())
-        return states
+        return _torch_state_bytes(model, opt)
 
     return step, state_bytes, lambda: None
 

@@ -38,7 +38,7 @@ from transformers.utils import logging as hf_logging
 
 import zero3
 from zero3 import accelerator, comm
-from zero3.cli import non_negative_int, positive_int
+from zero3.cli import non_negative_float, non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -46,13 +46,6 @@ _RANDOM_VOCAB = 256
 
 
 # ----------------------------------------------------------------------- options
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per rank per step (default: %(default)s)")
     train.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default: %(default)s)")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    train.add_argument("--weight-decay", type=_non_negative_float, default=0.01,
+    train.add_argument("--weight-decay", type=non_negative_float, default=0.01,
                        help="AdamW weight decay (default: %(default)s)")
-    train.add_argument("--clip", type=_non_negative_float, default=1.0,
+    train.add_argument("--clip", type=non_negative_float, default=1.0,
                        help="clip gradients to this global norm; 0: no clipping (default: %(default)s)")
     train.add_argument("--precision", choices=sorted(_DTYPES), default="bf16",
                        help="compute dtype; fp32 masters and Adam moments either way (default: %(default)s)")

@@ -95,7 +95,7 @@ from torch import nn
 
 import zero3
 from zero3 import OffloadStateType, accelerator, comm
-from zero3.cli import positive_float, positive_int
+from zero3.cli import non_negative_float, positive_float, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, Block, GPTConfig
 
@@ -110,13 +110,6 @@ SETTLE_S = 0.05
 
 
 # ----------------------------------------------------------------------- options
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer steps of each engine on an iteration's batch (default: %(default)s)")
     rl.add_argument("--lr", type=positive_float, default=1e-4,
                     help="AdamW learning rate, both engines (default: %(default)s)")
-    rl.add_argument("--kl-coef", type=_non_negative_float, default=0.05,
+    rl.add_argument("--kl-coef", type=non_negative_float, default=0.05,
                     help="weight of the KL penalty against the reference (default: %(default)s)")
     rl.add_argument("--clip-ratio", type=positive_float, default=0.2, help="PPO clip range (default: %(default)s)")
     rl.add_argument("--precision", choices=("fp32", "bf16"), default=None,

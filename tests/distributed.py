@@ -7,10 +7,13 @@ values, in rank order. A failing rank fails the test with its traceback.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -63,3 +66,15 @@ def script_env(repo: str, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+def load_script(path: str | os.PathLike[str], name: str) -> ModuleType:
+    """A script (examples/...) imported by path, once, as module `name`: no `examples` package is
+    needed, or shadowed."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -12,7 +12,6 @@ logits (within 1e-5). Then the script runs end to end as a subprocess.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 import zero3
-from tests.distributed import run_ranks, script_env
+from tests.distributed import load_script, run_ranks, script_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "hf_causal_lm.py"
@@ -33,15 +32,7 @@ LOGIT_ATOL = 1e-5
 
 
 def example() -> ModuleType:
-    """The script, imported by path (no `examples` package is needed, or shadowed)."""
-    name = "zero3_example_hf_causal_lm"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(SCRIPT, "zero3_example_hf_causal_lm")
 
 
 def argv(world: int, out: Path, *extra: str) -> list[str]:

@@ -12,7 +12,6 @@ on a tiny model they measure overheads and allocator noise.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import script_env
+from tests.distributed import load_script, script_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "rlhf_colocate.py"
@@ -35,15 +34,7 @@ STATES = ("hp_params", "lp_params", "lp_grads", "optim_states")
 
 
 def example() -> ModuleType:
-    """The script, imported by path (no `examples` package is needed, or shadowed)."""
-    name = "zero3_example_rlhf_colocate"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(SCRIPT, "zero3_example_rlhf_colocate")
 
 
 def run_script(command: list[str], cwd: Path) -> str:
