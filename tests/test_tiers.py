@@ -267,6 +267,26 @@ def test_every_tier_parks_on_disk_and_comes_back_home_bit_exact(tmp_path: Path, 
     assert set(result["optimizer_cpu"]["back"]["hp_params"]) == {"cpu"}
 
 
+def reserved_vs_written(rank: int, world: int, root: str) -> dict:
+    from zero3.offload.tiers import disk_needs
+
+    engine, _ = build(tiers(root)["both_nvme"])  # max_in_cpu keeps some shards in host memory
+    trainable = sum(sp.shard_numel for sp in engine.optimizer.params)
+    needs = disk_needs(engine.config, engine.all_units, engine.compute_dtype, trainable)
+    result = {
+        "reserved": needs["zero_optimization.offload_param.nvme_path"][1],
+        "file": engine.param_disk.file.nbytes,
+        "all_shards": sum(unit.shard_numel for unit in engine.all_units) * engine.compute_dtype.itemsize,
+    }
+    engine.destroy()
+    return result
+
+
+def test_the_free_space_check_asks_for_the_shards_that_go_to_disk_only(tmp_path: Path) -> None:
+    (result,) = run_ranks(1, reserved_vs_written, str(tmp_path))
+    assert result["reserved"] == result["file"] < result["all_shards"]
+
+
 # ---- 7: bad input fails before training starts ------------------------------------------------------------
 def bad_input(rank: int, world: int, root: str) -> dict:
     out: dict[str, str] = {}

@@ -154,12 +154,17 @@ def grad_device(config: Zero3Config, device: torch.device) -> torch.device:
     return torch.device("cpu") if config.zero_optimization.offload_optimizer.device == "cpu" else device
 
 
-def disk_needs(config: Zero3Config, lp_bytes: int, trainable_numel: int) -> dict[str, tuple[str, int]]:
-    """Bytes each disk tier will reserve (the optimizer's two generations included)."""
+def disk_needs(
+    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, trainable_numel: int,
+) -> dict[str, tuple[str, int]]:
+    """Bytes each disk tier will reserve: the parameter shards `max_in_cpu` leaves on disk (as
+    `lay_out_params` splits them), the optimizer's state in two generations."""
     zc = config.zero_optimization
     needs: dict[str, tuple[str, int]] = {}
     if zc.offload_param.device == "nvme":
         assert zc.offload_param.nvme_path is not None
+        _, on_disk = split_units(units, zc.offload_param.max_in_cpu)
+        lp_bytes = sum(unit.shard_numel for unit in on_disk) * dtype.itemsize
         needs["zero_optimization.offload_param.nvme_path"] = (zc.offload_param.nvme_path, lp_bytes)
     if zc.offload_optimizer.device == "nvme":
         assert zc.offload_optimizer.nvme_path is not None

@@ -90,8 +90,8 @@ class ZeroEngine:
         # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
         self.disk = DiskTier(comm.rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
         self.host_pool = HostBufferPool(device)
-        lp_bytes = sum(unit.shard_numel for unit in self.all_units) * self.compute_dtype.itemsize
-        check_free_space(disk_needs(config, lp_bytes, sum(sp.shard_numel for sps, _ in groups for sp in sps)))
+        trainable = sum(sp.shard_numel for sps, _ in groups for sp in sps)
+        check_free_space(disk_needs(config, self.all_units, self.compute_dtype, trainable))
         layout = lay_out_params(config, self.all_units, self.compute_dtype, device, self.disk)
         self.lp_buffers = layout.buffers
         self.param_disk = layout.disk_tier
