@@ -377,6 +377,13 @@ def plain_loss(state: dict[str, torch.Tensor] | str, batch: tuple, rank: int, wo
         return model(x.chunk(world)[rank], y.chunk(world)[rank]).item()
 
 
+def same_safetensors(a: str, b: str) -> bool:
+    from safetensors.torch import load_file
+
+    first, second = load_file(a), load_file(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
 def live_export(rank: int, world: int, root: str) -> dict:
     out: dict[str, Any] = {}
     for variant in ("fp32", "bf16"):
@@ -384,10 +391,17 @@ def live_export(rank: int, world: int, root: str) -> dict:
         train(engine, rank, world, data()[:2])
         target = os.path.join(root, f"live-{variant}")
         engine.save_16bit_model(target)
+        # With every state parked on disk, the 16-bit shards are streamed from their files; they stay parked.
+        engine.offload_states(device="nvme", nvme_path=os.path.join(root, "park"))
+        engine.save_16bit_model(target + "-parked")
+        still_parked = set(engine.state_report()["lp_params"]) == {"nvme"}
+        engine.reload_states()
         x, y = data()[2]
         with torch.no_grad():
             out[variant] = {"engine": engine(x.chunk(world)[rank], y.chunk(world)[rank]).item()}
         out[variant]["plain"] = plain_loss(os.path.join(target, "model.safetensors"), data()[2], rank, world)
+        out[variant]["parked"] = {"still_parked": still_parked, "same": rank != 0 or same_safetensors(
+            os.path.join(target, "model.safetensors"), os.path.join(target + "-parked", "model.safetensors"))}
         engine.destroy()
     return out
 
@@ -398,6 +412,8 @@ def test_save_16bit_model_writes_weights_a_plain_module_loads_with_the_engines_o
     results = run_ranks(2, live_export, str(tmp_path))
     for result in results:
         assert result["fp32"]["plain"] == pytest.approx(result["fp32"]["engine"], rel=1e-6)
+        for variant in ("fp32", "bf16"):
+            assert result[variant]["parked"] == {"still_parked": True, "same": True}, variant
         # bf16 weights in a fp32 module compute in fp32: close to the engine's bf16 forward, not equal
         assert result["bf16"]["plain"] == pytest.approx(result["bf16"]["engine"], rel=2e-2)
     with safe_open(str(tmp_path / "live-bf16" / "model.safetensors"), "pt") as f:

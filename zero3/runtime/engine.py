@@ -462,13 +462,14 @@ class ZeroEngine:
     ) -> bool:
         """Write the whole model's weights (in the compute dtype) as safetensors; collective.
 
-        Gathers one unit at a time; rank 0 writes. A tied weight is written
-        once. Above `max_shard_size` the files follow Hugging Face's sharded
-        layout (`model-00001-of-0000N.safetensors` and an index).
+        Streams the parameters (`iter_full_params`: one gathered at a time,
+        read where they rest, so parked states stay parked); rank 0 writes. A
+        tied weight is written once. Above `max_shard_size` the files follow
+        Hugging Face's sharded layout (`model-00001-of-0000N.safetensors` and
+        an index).
         """
         self._check_alive()
         self._check_between_steps("save_16bit_model")
-        self._require_resident("save_16bit_model", (OffloadStateType.lp_params,))
         shard_bytes = checkpoint_weights.parse_size(max_shard_size)
         checkpoint_weights.save_live(self, save_dir, save_filename, shard_bytes, exclude_frozen_parameters)
         self.comm.barrier()  # the files are complete on every rank's return
