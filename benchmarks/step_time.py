@@ -135,6 +135,31 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
 
 
 # ------------------------------------------------------------------ the engines
+#
+# Each builder returns (step, state_bytes, close): step(x, y) -> loss (detached),
+# state_bytes() -> {name: bytes on this rank}, close() tears the engine down.
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _torch_step(
+    forward: torch.nn.Module, model: torch.nn.Module, opt: torch.optim.Optimizer, autocast: torch.dtype | None,
+) -> StepFn:
+    """One training step of a plain torch optimizer (FSDP2, DDP): `forward` is the wrapped model,
+    `autocast` the dtype its forward runs under (None: as the model is)."""
+    device_type = next(model.parameters()).device.type
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # zero_grad first, so the grads are still there for state_bytes().
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            out = forward(x, y)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return out["loss"].detach()
+
+    return step
 
 
 def _torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -149,11 +174,6 @@ def _torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
     }
     states["total"] = sum(states.values())
     return states
-#
-# Each builder returns (step, state_bytes, close): step(x, y) -> loss (detached),
-# state_bytes() -> {name: bytes on this rank}, close() tears the engine down.
-
-StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -204,15 +224,7 @@ def _build_fsdp2(job: Job):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # zero_grad first, so the sharded grads are still there for state_bytes().
-        opt.zero_grad(set_to_none=True)
-        out = model(x, y)
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return out["loss"].detach()
+    step = _torch_step(model, model, opt, autocast=None)  # the mixed-precision policy casts
 
     def state_bytes() -> dict[str, int]:
         # This rank's shards (DTensor local tensors): fp32 params, their fp32 grads
@@ -249,16 +261,7 @@ def _build_ddp(job: Job):
     if dist.get_world_size() > 1:
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    dtype = torch.bfloat16 if job.precision == "bf16" else torch.float32
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            out = wrapped(x, y)
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return out["loss"].detach()
+    step = _torch_step(wrapped, model, opt, autocast=torch.bfloat16 if job.precision == "bf16" else None)
 
     def state_bytes() -> dict[str, int]:
         return _torch_state_bytes(model, opt)

@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import zero3
-from zero3 import accelerator, comm
+from zero3 import comm
 from zero3.cli import non_negative_float, non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 
@@ -144,9 +144,7 @@ def init_distributed(args: argparse.Namespace) -> None:
     The same device rule as the engine's (`zero3 train` does this too), so the
     backend fits the device: gloo on the CPU, nccl on CUDA.
     """
-    device = accelerator.resolve_device(args.device)
-    accelerator.set_device(device)
-    comm.init_distributed(device)
+    comm.join_world(args.device)
 
 
 def num_parameters(args: argparse.Namespace) -> int:

@@ -865,10 +865,7 @@ def plot(path: Path, passes: list[dict[str, Any]], device: torch.device) -> bool
 
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Join torchrun's rendezvous (env://), or become a world of one under plain `python`."""
-    device = accelerator.resolve_device(args.device)
-    accelerator.set_device(device)
-    comm.init_distributed(device)
-    return device
+    return comm.join_world(args.device)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:

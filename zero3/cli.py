@@ -566,11 +566,9 @@ def _init_process_group(device_choice: str | None) -> None:
     The engine joins an existing default group, and this command needs that same
     group itself (loss averaging, gathering the memory table).
     """
-    from zero3 import accelerator, comm
+    from zero3 import comm
 
-    device = accelerator.resolve_device(device_choice)
-    accelerator.set_device(device)
-    comm.init_distributed(device)
+    comm.join_world(device_choice)
 
 
 def _train_worker(job: TrainJob) -> dict[str, float]:

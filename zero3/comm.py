@@ -47,6 +47,16 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
 
 
+def join_world(device_choice: str | torch.device | None = None) -> torch.device:
+    """The device by zero3's rule (an explicit choice, else ZERO3_ACCELERATOR, else auto), made
+    current, and the default group joined on its backend: what a script does before building
+    models (`zero3 train`'s workers, the examples)."""
+    device = accelerator.resolve_device(device_choice)
+    accelerator.set_device(device)
+    init_distributed(device)
+    return device
+
+
 class Communicator:
     """The collectives of one data-parallel group, on flat tensors only.
 

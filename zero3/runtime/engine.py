@@ -90,14 +90,15 @@ class ZeroEngine:
         # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
         self.disk = DiskTier(comm.rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
         self.host_pool = HostBufferPool(device)
-        trainable = sum(sp.shard_numel for sps, _ in groups for sp in sps)
-        check_free_space(disk_needs(config, self.all_units, self.compute_dtype, trainable))
+        trainable = [sp for sps, _ in groups for sp in sps]
+        trainable_numel = sum(sp.shard_numel for sp in trainable)
+        check_free_space(disk_needs(config, self.all_units, self.compute_dtype, trainable_numel))
         layout = lay_out_params(config, self.all_units, self.compute_dtype, device, self.disk)
         self.lp_buffers = layout.buffers
         self.param_disk = layout.disk_tier
 
         self.reducer = GradientReducer(
-            comm, [sp for sps, _ in groups for sp in sps], config.communication_dtype, device,
+            comm, trainable, config.communication_dtype, device,
             zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
         )
         self.loss_scaler = build_loss_scaler(config.fp16)
@@ -107,7 +108,7 @@ class ZeroEngine:
             if zc.offload_optimizer.device == OffloadDevice.none:
                 # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
                 # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
-                scratch_bytes = self.reducer.scratch_numel() * config.communication_dtype.itemsize
+                scratch_bytes = self.reducer.scratch_numel() * self.reducer.dtype.itemsize
                 sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
             self.optimizer = ZeroOptimizer(
                 groups, config.optimizer, comm, device, config.grad_accum_dtype, sub_group_size,

@@ -326,11 +326,11 @@ class GradientReducer:
     # ---- one bucket ---------------------------------------------------------------------
     def _send(self, j: int, may_block: bool) -> None:
         bucket = self.buckets[j]
-        if self._storage[j] is None and not any(self._placed[j]):
-            storage = self._bucket_storage(j, may_block)
-            storage.narrow(0, 0, bucket.padded_numel).zero_()  # no gradient for this bucket on this rank
+        empty = self._storage[j] is None  # no gradient of this bucket arrived on this rank
+        storage = self._bucket_storage(j, may_block)
+        if empty:
+            storage.narrow(0, 0, bucket.padded_numel).zero_()
         else:
-            storage = self._bucket_storage(j, may_block)
             for k, placed in enumerate(self._placed[j]):
                 if not placed:  # unused on this rank: it contributes zeros
                     self._param_view(j, k, storage).zero_()

@@ -242,6 +242,11 @@ class ZeroOptimizer:
                 coefficient.mul_(1.0 / scale)
         elif scale != 1.0:
             coefficient = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
+        # Once, where the step runs: a host step (ZeRO-Offload beside a GPU) waits for the values, as it must.
+        if coefficient is not None:
+            coefficient = coefficient.to(self.step_device)
+        if found_inf is not None:
+            found_inf = found_inf.to(self.step_device)
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(piece.sp.has_grad for piece in sub.pieces)}
         counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
         streamed = self.states.transactional
@@ -303,14 +308,14 @@ class ZeroOptimizer:
         grad = self._fp32_grads(sub.numel, hp.device)
         grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient is not None:
-            grad.mul_(coefficient.to(hp.device))  # a host step (ZeRO-Offload) waits for it: it needs the value
+            grad.mul_(coefficient)
         if not self._views_bound:
             self._bind(sub, window)
         cursor = 0
         for piece, master in zip(sub.pieces, sub.masters):
             master.grad = grad[cursor : cursor + piece.numel] if piece.sp.has_grad else None
             cursor += piece.numel
-        self.optimizer.found_inf = found_inf.to(hp.device) if found_inf is not None else None
+        self.optimizer.found_inf = found_inf
         self.optimizer.step()
         for master in sub.masters:
             master.grad = None
