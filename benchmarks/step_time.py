@@ -97,6 +97,7 @@ class Job:
     device: str = "cpu"
     breakdown: bool = False
     breakdown_out: str = ""
+    trace_out: str = ""
 
 
 def ds_config(
@@ -329,6 +330,8 @@ def worker(job: Job) -> dict[str, Any]:
         if timed:
             times.append(elapsed)
 
+    if job.trace_out and rank == 0:
+        _trace(job, step, tokens, device, world)
     states = state_bytes()
     if profiler is not None:
         profiler.dump_stats(job.profile_out)
@@ -345,6 +348,35 @@ def worker(job: Job) -> dict[str, Any]:
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "breakdown": breakdown,
     }
+
+
+def _trace(job: Job, step: StepFn, tokens: torch.Tensor, device: torch.device, world: int) -> None:
+    """Five more steps under torch.profiler (CPU, and CUDA on a GPU), after the timed ones so their
+    timing is untouched: the ops table by self CPU time and by device time, and the device's busy
+    time per step beside the wall time (the rest is the device waiting for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    generator = torch.Generator()
+    steps = 5
+    with profile(activities=activities) as prof:
+        _synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            generator.manual_seed(_batch_seed(job.seed, 10_000 + i))
+            x_all, y_all = sample_global_batch(tokens, job.model.block_size, job.micro_batch * world, generator)
+            step(x_all[: job.micro_batch].to(device), y_all[: job.micro_batch].to(device))
+        _synchronize(device)
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    averages = prof.key_averages()
+    lines = [f"{job.engine}: {steps} profiled steps, wall {wall_ms:.2f} ms per step"]
+    if device.type == "cuda":
+        # Kernel rows only: an op's row counts its kernels' time again.
+        busy_ms = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1e3 / steps
+        lines.append(f"device busy (sum of kernel times) {busy_ms:.2f} ms per step = {busy_ms / wall_ms:.1%} of wall")
+        lines.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+    Path(job.trace_out).write_text("\n".join(lines) + "\n")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -605,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the timed rounds, one more run per engine with torch.profiler on rank 0: how a step "
                    "splits into compute, communication, optimizer and the rest (Python: hooks, bookkeeping)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="JSON results file")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="directory: rank 0 of each engine's first run profiles 5 extra steps (CPU and CUDA ops)"
+                        " and writes <engine>_trace.txt there")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
                    "hotspots (its timings are then inflated by the profiler)")
@@ -623,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown engine(s): {', '.join(unknown)}; choose from {', '.join(ENGINES)}", file=sys.stderr)
         return 2
 
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus()
     gpt = GPTConfig(vocab_size=CharTokenizer(corpus).vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -643,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {
         "setup": {
-            **{k: v for k, v in vars(args).items() if k not in ("out", "engines", "profile_top")},
+            **{k: v for k, v in vars(args).items() if k not in ("out", "engines", "profile_top", "trace")},
             "vocab_size": gpt.vocab_size,
             "num_parameters": gpt.num_parameters(),
             "tokens_per_step": tokens_per_step,
@@ -687,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                       warmup=args.warmup, seed=args.seed,
                       profile=args.profile and name == "zero3" and round_index == 0, profile_out=profile_path,
                       offload_optimizer=args.offload_optimizer, precision=args.precision,
-                      reduce_bucket_size=args.reduce_bucket_size, device=device)
+                      reduce_bucket_size=args.reduce_bucket_size, device=device,
+                      trace_out=str(args.trace / f"{name}_trace.txt") if args.trace and round_index == 0 else "")
             console.print(f"round {round_index + 1}/{args.rounds}: running {name} ...")
             t0 = time.perf_counter()
             try:
