@@ -7,7 +7,7 @@ from torch import nn
 
 import zero3
 from tests.distributed import run_ranks
-from zero3.partition.layout import shard_range
+from zero3.partition.mesh import ShardMesh
 
 MICRO_STEPS = 8
 
@@ -65,7 +65,7 @@ def test_fp32_accumulation_of_bf16_micro_steps_is_closer_to_the_fp32_reference()
     low = run_ranks(world, accumulated_grad, None)
     high = run_ranks(world, accumulated_grad, "fp32")
     for rank in range(world):
-        start, end = shard_range(reference.numel(), world, rank)
+        start, end = ShardMesh.geometry(world, rank).shard_range(reference.numel())
         expected = reference[start:end]
         assert low[rank]["dtype"] == torch.bfloat16 and high[rank]["dtype"] == torch.float32
         err_low = (low[rank]["grad"][: end - start] - expected).norm().item()

@@ -52,7 +52,5 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     assert sp.unit is not None
     assert sp.lp_slot is not None
     shard = sp.hp_slot.read() if sp.hp_slot is not None else sp.lp_slot.read().float()
-    shard = shard.to(sp.unit.device)
-    full = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
-    sp.unit.comm.all_gather_flat(full, shard.contiguous())
+    full = sp.unit.gather.exact().gather(shard.to(sp.unit.device).contiguous())
     return full[: sp.numel].view(sp.shape)

@@ -58,7 +58,8 @@ def join_world(device_choice: str | torch.device | None = None) -> torch.device:
 
 
 class Communicator:
-    """The collectives of one data-parallel group, on flat tensors only.
+    """The collectives of one shard group, on flat tensors only. Where this rank sits (its shard and
+    replicate coordinates) is not asked here: zero3.partition.mesh.ShardMesh says it.
 
     [Note: three groups]
     Parameter all-gathers run on `group`, in the order of the lockstep gather
@@ -86,15 +87,14 @@ class Communicator:
     # until no worker does.
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self._size = dist.get_world_size(group)  # a group of one communicates nothing
         self.reduce_group: dist.ProcessGroup | None = group
         self.control_group: dist.ProcessGroup | None = group
         self._side_groups: list[dist.ProcessGroup] = []
         self._checkpoint_group: dist.ProcessGroup | None = None
 
     def open_side_groups(self) -> None:
-        if self.world_size == 1 or self._side_groups:
+        if self._size == 1 or self._side_groups:
             return
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
         backend = dist.get_backend(self.group)
@@ -114,7 +114,7 @@ class Communicator:
 
     def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output[r*n:(r+1)*n] = rank r's `shard` (n = shard.numel())."""
-        if self.world_size == 1:
+        if self._size == 1:
             output.copy_(shard)
             return None
         out, inp = self._hand_over(output, shard)
@@ -124,7 +124,7 @@ class Communicator:
         """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group.
 
         `output` may be this rank's own chunk of `full` (in place)."""
-        if self.world_size == 1:
+        if self._size == 1:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full[: output.numel()])
             return None
@@ -134,21 +134,23 @@ class Communicator:
 
     def all_gather_control(self, values: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
         """Start gathering a small host tensor from every rank on the control group: ([world, n], work)."""
-        output = torch.empty((self.world_size, values.numel()), dtype=values.dtype)
-        if self.world_size == 1:
+        output = torch.empty((self._size, values.numel()), dtype=values.dtype)
+        if self._size == 1:
             output[0].copy_(values)
             return output, None
         out, inp = self._hand_over(output.view(-1), values)
         return output, self._started(_all_gather_flat(out, inp, group=self.control_group, async_op=True), True)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Sum over the shard group (or over `group`, e.g. a mesh's replicate group)."""
+        group = group if group is not None else self.group
+        if dist.get_world_size(group) > 1:
             (alias,) = self._hand_over(tensor)
-            self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=self.group, async_op=True), False)
+            self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=group, async_op=True), False)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size > 1:
+        if self._size > 1:
             root = dist.get_global_rank(self.group, src) if self.group else src
             (alias,) = self._hand_over(tensor)
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
@@ -157,7 +159,7 @@ class Communicator:
     def any_of_flags(self, flags: list[bool]) -> list[bool]:
         """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group,
         so the answer never waits on the accelerator."""
-        if self.world_size == 1:
+        if self._size == 1:
             return list(flags)
         counts = torch.tensor(flags, dtype=torch.uint8)
         (alias,) = self._hand_over(counts)
@@ -166,21 +168,21 @@ class Communicator:
 
     def all_gather_objects(self, value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
         """Every rank's picklable `value`, in rank order (default: the gloo control group, between steps)."""
-        if self.world_size == 1:
+        if self._size == 1:
             return [value]
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * self._size
         dist.all_gather_object(out, value, group=group or self.control_group)
         return out
 
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:
         """Every rank has reached this point (default: the gloo control group, between steps)."""
-        if self.world_size > 1:
+        if self._size > 1:
             dist.barrier(group=group or self.control_group)
 
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own for checkpoint writes that run while training goes on (made on first
         use: every rank must ask at the same point, as a save does)."""
-        if self.world_size == 1:
+        if self._size == 1:
             return self.group
         if self._checkpoint_group is None:
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None

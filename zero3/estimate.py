@@ -38,11 +38,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from zero3.comm import Communicator
 from zero3.config import ZeroConfig, Zero3Config
 from zero3.offload.optimizer_tier import FP32_BYTES
 from zero3.offload.param_tier import split_units
-from zero3.partition.layout import shard_numel
+from zero3.partition.collectives import GradReduce, ParamGather
+from zero3.partition.mesh import ShardMesh
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -141,15 +141,6 @@ class RankLayout:
     scratch: int  # elements of the reduce bucket (contiguous_grad_buffer)
 
 
-@dataclass(frozen=True)
-class _Geometry:
-    """What the layout code reads of a Communicator before any collective: the world's size.
-    GatherUnit and GradientReducer keep it and call collectives only later, which an estimate never does."""
-
-    world_size: int
-    rank: int = 0
-
-
 def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSettings) -> RankLayout:
     """The engine's layout of `model` at `world_size`, computed by the engine's own code (see the Note).
 
@@ -158,14 +149,14 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
     params = list(model.parameters())  # unique, in the order the engine's optimizer takes them
     if any(sharded(p) is not None for p in params):
         raise ValueError("the model's parameters are already partitioned by zero3: build it on the meta device")
-    geometry = cast(Communicator, _Geometry(world_size))
+    mesh = ShardMesh.geometry(world_size)  # sizes only: the layout code issues no collective here
     device = torch.device("meta")
     try:
         by_param = {
-            id(p): ShardedParam(p, name, world_size, 0, settings.compute_dtype, device)
+            id(p): ShardedParam(p, name, mesh, settings.compute_dtype, device)
             for name, p in model.named_parameters()
         }
-        units, _, persistent = build_units(model, geometry, settings.persistence_threshold)
+        units, _, persistent = build_units(model, ParamGather(mesh, None), settings.persistence_threshold)
         all_units = units + ([persistent] if persistent is not None else [])  # the engine's all_units
         if settings.offload_param == "nvme":
             in_memory, on_disk = split_units(all_units, settings.max_in_cpu)
@@ -173,7 +164,7 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             in_memory, on_disk = all_units, []
         trainable = [by_param[id(p)] for p in params if p.requires_grad]
         reducer = GradientReducer(
-            geometry, trainable, settings.comm_dtype, device, settings.reduce_bucket_size, settings.overlap_comm
+            GradReduce(mesh, None), trainable, settings.comm_dtype, device, settings.reduce_bucket_size, settings.overlap_comm
         )
         return RankLayout(
             lp_in_memory=sum(unit.shard_numel for unit in in_memory),
@@ -202,7 +193,7 @@ def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSe
 
 def layout_of_count(params: int, world_size: int, settings: EstimateSettings) -> RankLayout:
     """ZeRO-3's formula for `params` parameters: one flat shard, no persistent ones (see the Note)."""
-    shard = shard_numel(params, world_size)
+    shard = ShardMesh.geometry(world_size).shard_numel(params)
     in_memory = min(shard, settings.max_in_cpu) if settings.offload_param == "nvme" else shard
     # GradientReducer's own sizing, with no parameter larger than a bucket.
     total = shard * world_size

@@ -35,7 +35,6 @@ from zero3.checkpoint.tags import (
 from zero3.comm import Communicator
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
-from zero3.partition.layout import shard_range
 from zero3.partition.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
-    start, end = shard_range(sp.numel, sp.world_size, sp.rank)
+    start, end = sp.shard_range()
     shape = tuple(sp.shape)
     buffer = slot.buffer
     if buffer.store is None:
@@ -127,17 +126,17 @@ def save(
     if len(set(tags)) > 1:
         raise CheckpointError(f"the ranks asked for different checkpoint tags {tags}: every rank must pass the same")
     root = Path(save_dir)
-    if comm.rank == 0:
+    if engine.global_rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
         staging_dir(root, tag).mkdir()
     comm.barrier()
     # The engine's own state is taken now (an async write must not see later steps).
     engine_state = io.BytesIO()
-    if comm.rank == 0:
+    if engine.global_rank == 0:
         torch.save(_engine_state(engine, client_state), engine_state)
     live = entries(engine, optimizer_states=engine.optimizer is not None)
-    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last)
+    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last, engine.global_rank)
     if executor is None:
         return job.run(comm, live, comm.control_group)
     staged = _stage(live, engine.host_pool, engine.device)
@@ -170,14 +169,15 @@ class _Write:
     engine_state: bytes  # rank 0's serialized engine state (empty elsewhere)
     save_latest: bool
     keep_last: int | None
+    rank: int  # this rank in the job
 
     def run(self, comm: Communicator, state: dict[str, Any], group: Any) -> Path:
         staged = staging_dir(self.root, self.tag)
         dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
         files: dict[str, tuple[int, int]] = {}
-        for sums in comm.all_gather_objects(checksums(dcp_files(staged, comm.rank)), group):
+        for sums in comm.all_gather_objects(checksums(dcp_files(staged, self.rank)), group):
             files.update(sums)
-        if comm.rank == 0:
+        if self.rank == 0:
             engine_state = torch.load(io.BytesIO(self.engine_state), weights_only=False)
             temporary = staged / f".{ENGINE_FILE}.tmp"
             torch.save(engine_state | {"files": files}, temporary)
@@ -269,7 +269,7 @@ def load(
     # Every file's checksum, the work split across ranks, before anything changes.
     names = sorted(state["files"])
     found = [line for lines in comm.all_gather_objects(
-        damaged(path, state["files"], names[comm.rank :: comm.world_size])) for line in lines]
+        damaged(path, state["files"], names[engine.global_rank :: engine.world_size])) for line in lines]
     if found:
         raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
     if not strict:

@@ -8,7 +8,7 @@ from types import TracebackType
 import torch
 
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import GatherUnit
+from zero3.partition.unit import GatherUnit, Hold
 
 
 class GatheredParameters:
@@ -44,7 +44,7 @@ class GatheredParameters:
                 self.listed.add(sp)
         self.units = list(units.values())
         if modifier_rank is not None and self.units:
-            world = self.units[0].comm.world_size
+            world = self.units[0].gather.mesh.shard_size
             if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world:
                 raise ValueError(f"GatheredParameters: modifier_rank={modifier_rank!r}, expected None or a rank in [0, {world})")
         self.modifier_rank = modifier_rank
@@ -54,7 +54,7 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for unit in self.units:
-            unit.pins += 1
+            unit.acquire(Hold.PIN)
         for unit in self.units:  # issue every all-gather before waiting on any
             unit.fetch()
         for unit in self.units:
@@ -71,9 +71,9 @@ class GatheredParameters:
                 with torch.no_grad():
                     for unit in self.units:
                         assert unit.unsharded is not None
-                        unit.comm.broadcast(unit.unsharded, src=self.modifier_rank)
+                        assert unit.gather.comm is not None
+                        unit.gather.comm.broadcast(unit.unsharded, src=self.modifier_rank)
                         unit.write_back(self.listed)
         finally:
             for unit in self.units:
-                unit.pins -= 1
-                unit.release_if_unneeded()
+                unit.release(Hold.PIN)

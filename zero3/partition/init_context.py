@@ -30,6 +30,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
+from zero3.partition.collectives import ParamGather
+from zero3.partition.mesh import ShardMesh
 from zero3.partition.partitioner import Partitioner
 from zero3.partition.sharded_param import ShardedParam
 
@@ -117,7 +119,8 @@ class _PartitionedWriteMode(TorchFunctionMode):
     def _store(self, written: ShardedParam, full: torch.Tensor) -> None:
         """Rank 0's new full value becomes every rank's shards (16-bit and fp32 seed)."""
         with torch.no_grad():
-            self.init.comm.broadcast(full, src=0)
+            assert self.init.gather is not None and self.init.gather.comm is not None
+            self.init.gather.comm.broadcast(full, src=0)
             written.write_full(full)
 
     def _apply_write(self, func, args, kwargs, touched: list[ShardedParam], written: ShardedParam, first: Any):
@@ -169,7 +172,7 @@ class Init:
         self._orig_init_subclass: Any = None
         self._patched_init_functions: list[tuple[str, Callable[..., Any]]] = []
         self._mode: _PartitionedWriteMode | None = None
-        self.comm: comm.Communicator | None = None
+        self.gather: ParamGather | None = None
         self.partitioner: Partitioner | None = None
 
     # ---- constructor interception ---------------------------------------
@@ -228,10 +231,9 @@ class Init:
 
     def gather_fp32(self, sp: ShardedParam) -> torch.Tensor:
         """The full fp32 value of a partitioned parameter (collective)."""
-        assert self.comm is not None and sp.lp_slot is not None
+        assert self.gather is not None and sp.lp_slot is not None
         seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()  # fp32: the shard is exact
-        out = torch.empty(sp.padded_numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather_flat(out, seed)
+        out = self.gather.exact().gather(seed.to(self.device))
         return out[: sp.numel].view(sp.shape).clone()
 
     def __enter__(self) -> "Init":
@@ -241,8 +243,8 @@ class Init:
             raise RuntimeError("zero3.Init contexts cannot be nested")
         accelerator.set_device(self.device)
         comm.init_distributed(self.device)
-        self.comm = comm.Communicator()
-        self.partitioner = Partitioner(self.comm, self.device, self.dtype)
+        self.gather = ParamGather(ShardMesh.of_group(), comm.Communicator())
+        self.partitioner = Partitioner(self.gather, self.device, self.dtype)
 
         stack = [nn.Module]
         while stack:

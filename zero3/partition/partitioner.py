@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero3.comm import Communicator
 from zero3.partition import param_dict
+from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit
@@ -19,8 +19,8 @@ class Partitioner:
     DeepSpeed does, so ranks seeded differently still hold one model.
     """
 
-    def __init__(self, comm: Communicator, device: torch.device, dtype: torch.dtype) -> None:
-        self.comm = comm
+    def __init__(self, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
+        self.gather = gather
         self.device = device
         self.dtype = dtype
 
@@ -31,11 +31,10 @@ class Partitioner:
             return None
         values = self._broadcast_values([p for _, p in fresh])
         sps = [
-            ShardedParam(p, f"{label}.{name}" if label else name, self.comm.world_size, self.comm.rank,
-                         self.dtype, self.device)
+            ShardedParam(p, f"{label}.{name}" if label else name, self.gather.mesh, self.dtype, self.device)
             for name, p in fresh
         ]
-        unit = GatherUnit(sps, self.comm, label or type(module).__name__)
+        unit = GatherUnit(sps, self.gather, label or type(module).__name__)
         buffer = FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device)
         unit.assign_lp(buffer, 0)
         for sp, full in zip(sps, values):
@@ -50,7 +49,8 @@ class Partitioner:
         """Rank 0's fp32 values of `params`, moved to the engine device."""
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).to(self.device, torch.float32) for p in params])
-        self.comm.broadcast(flat, src=0)
+        assert self.gather.comm is not None
+        self.gather.comm.broadcast(flat, src=0)
         out, cursor = [], 0
         for p in params:
             out.append(flat[cursor : cursor + p.numel()].view(p.shape))
@@ -59,7 +59,7 @@ class Partitioner:
 
 
 def build_units(
-    model: nn.Module, comm: Communicator, threshold: int
+    model: nn.Module, gather: ParamGather, threshold: int
 ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
     """One unit per module (the parameters it owns first), one for every parameter of at most
     `threshold` elements (kept whole: the persistent unit), and each module's units to gather."""
@@ -76,11 +76,10 @@ def build_units(
             assert sp is not None
             (persistent if sp.numel <= threshold else own).append(sp)
         if own:
-            units.append(GatherUnit(own, comm, name or type(module).__name__))
+            units.append(GatherUnit(own, gather, name or type(module).__name__))
     persistent_unit = None
     if persistent:
-        persistent_unit = GatherUnit(persistent, comm, "<persistent>")
-        persistent_unit.persistent = True
+        persistent_unit = GatherUnit(persistent, gather, "<persistent>", persistent=True)
     module_units: dict[nn.Module, list[GatherUnit]] = {}
     for module in model.modules():
         needed: list[GatherUnit] = []

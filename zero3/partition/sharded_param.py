@@ -15,7 +15,7 @@ from torch import nn
 
 from zero3.enums import ParamStatus
 from zero3.partition.flat_buffer import Slot
-from zero3.partition.layout import shard_numel, shard_range
+from zero3.partition.mesh import ShardMesh
 
 if TYPE_CHECKING:
     from zero3.partition.unit import GatherUnit
@@ -28,8 +28,7 @@ class ShardedParam:
         self,
         param: nn.Parameter,
         name: str,
-        world_size: int,
-        rank: int,
+        mesh: ShardMesh,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -37,9 +36,8 @@ class ShardedParam:
         self.name = name
         self.shape = param.shape
         self.numel = param.numel()
-        self.world_size = world_size
-        self.rank = rank
-        self.shard_numel = shard_numel(self.numel, world_size)
+        self.mesh = mesh
+        self.shard_numel = mesh.shard_numel(self.numel)
         self.unit: GatherUnit | None = None
         self.lp_slot: Slot | None = None
         # Optimizer-side slots, set when an engine builds its optimizer.
@@ -61,7 +59,7 @@ class ShardedParam:
 
     @property
     def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
+        return self.shard_numel * self.mesh.shard_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,11 +73,15 @@ class ShardedParam:
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full value of the parameter, zero padded."""
         flat = full.reshape(-1)
-        start, end = shard_range(self.numel, self.world_size, self.rank)
+        start, end = self.shard_range()
         shard = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
         if end > start:
             shard[: end - start].copy_(flat[start:end])
         return shard
+
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of this rank's shard within the flattened parameter (may be empty)."""
+        return self.mesh.shard_range(self.numel)
 
     def lp_shard(self) -> torch.Tensor:
         assert self.lp_slot is not None

@@ -2,11 +2,9 @@
 
 [Note: unit layout]
 The unit's shards are contiguous in the rank's 16-bit flat buffer, so the
-all-gather input is a view, never a copy. The all-gather output is rank-major
-([N, S] for S = the unit's shard elements); parameter i's padded full value is
-its column block [:, off_i:off_i+s_i]. With one parameter, or one rank, that
-block already is the contiguous full value; otherwise one fused
-`split_with_sizes_copy` lays the parameters out contiguously ("copy-out").
+all-gather input is a view, never a copy. The gather itself (copy-in,
+collective, copy-out to each parameter's contiguous value) is the mesh's
+`ParamGather` (zero3.partition.collectives).
 """
 
 from __future__ import annotations
@@ -16,10 +14,10 @@ from enum import Enum
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from zero3.comm import Communicator
 from zero3.enums import ParamStatus
+from zero3.partition.collectives import ParamGather, PendingGather
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 
@@ -30,6 +28,14 @@ class UnitState(Enum):
     UNSHARDED = ParamStatus.AVAILABLE
 
 
+class Hold(Enum):
+    """Why a unit stays gathered. A unit is released when no hold is left (and it is not persistent)."""
+
+    FORWARD = "forward"  # a forward frame uses it (counted: frames nest, a returned parameter adds one)
+    PIN = "pin"  # a GatheredParameters block (counted: blocks nest)
+    BACKWARD = "backward"  # backward reads it until its gradients are in (held once, whoever asks again)
+
+
 class ShardSource(Protocol):
     """Brings a unit's shard to its device for an all-gather when the shard's home is elsewhere
     (host memory beside a GPU, or disk): zero3.offload's parameter tier."""
@@ -38,25 +44,21 @@ class ShardSource(Protocol):
 
 
 class GatherUnit:
-    def __init__(self, params: list[ShardedParam], comm: Communicator, label: str) -> None:
+    def __init__(self, params: list[ShardedParam], gather: ParamGather, label: str, persistent: bool = False) -> None:
         if not params:
             raise ValueError(f"gather unit {label!r} has no parameters")
         self.params = params
-        self.comm = comm
+        self.gather = gather
         self.label = label
-        self.persistent = False
+        # Gathered once and kept (small parameters, stage3_param_persistence_threshold) until closed.
+        self.persistent = persistent
         self.shard_numel = sum(sp.shard_numel for sp in params)
         self.numel = sum(sp.numel for sp in params)
         self.state = UnitState.SHARDED
         self.lp_slot: Slot | None = None
-        self._work: dist.Work | None = None
-        self._gather_output: torch.Tensor | None = None
+        self._pending: PendingGather | None = None
         self.unsharded: torch.Tensor | None = None
-        # Who needs the gathered values now (the unit is released when none do).
-        self.refcount = 0  # forward frames
-        self.pins = 0  # GatheredParameters contexts
-        self.backward_held = False
-        self.pending_grads = 0
+        self._holds: dict[Hold, int] = {hold: 0 for hold in Hold}  # who needs the gathered values now
         # Told of every state change (old, new): the runtime maps gathered storage
         # back to units and counts the gathered elements.
         self.observer: Callable[["GatherUnit", UnitState, UnitState], None] | None = None
@@ -65,7 +67,6 @@ class GatherUnit:
         self.fetcher: Callable[["GatherUnit"], None] | None = None
         # Where the shard comes from when it does not live on the device (None: the lp slot's view).
         self.source: ShardSource | None = None
-        self._gather_input: torch.Tensor | None = None  # kept alive until the gather completes
         for sp in params:
             sp.unit = self
 
@@ -107,45 +108,27 @@ class GatherUnit:
         """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED."""
         if self.state is not UnitState.SHARDED:
             return
-        world = self.comm.world_size
         if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
-            self._work = None
-            self._gather_output = self.lp_slot.view()
+            self._pending = PendingGather(self.lp_slot.view(), None)
         else:
-            output = torch.empty(world * self.shard_numel, dtype=self.dtype, device=self.device)
-            shard = self.local_shard()
-            self._work = self.comm.all_gather_flat(output, shard, async_op=async_op)
-            self._gather_input = shard if self.source is not None else None
-            self._gather_output = output
+            self._pending = self.start_gather()
         self._set_state(UnitState.INFLIGHT)
         if not async_op:
             self.wait()
+
+    def start_gather(self) -> PendingGather:
+        """This rank's part in the unit's all-gather, whoever reads the result: the unit's own gather,
+        or the lockstep walk's spare one for a unit another rank needs (the same collective)."""
+        return self.gather.start(self.local_shard())
 
     def wait(self) -> None:
         """Complete an in-flight all-gather (INFLIGHT -> UNSHARDED)."""
         if self.state is not UnitState.INFLIGHT:
             return
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self._gather_input = None
-        output = self._gather_output
-        assert output is not None
-        self._gather_output = None
-        world = self.comm.world_size
-        if world == 1 or len(self.params) == 1:
-            self.unsharded = output
-        else:
-            self.unsharded = torch.empty_like(output)
-            blocks = []
-            cursor = 0
-            for sp in self.params:
-                blocks.append(self.unsharded[cursor : cursor + sp.padded_numel].view(world, sp.shard_numel))
-                cursor += sp.padded_numel
-            torch.split_with_sizes_copy(
-                output.view(world, self.shard_numel), [sp.shard_numel for sp in self.params], dim=1, out=blocks
-            )
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        self.unsharded = self.gather.copy_out(pending.wait(), [sp.shard_numel for sp in self.params])
         cursor = 0
         for sp in self.params:
             sp.set_full(self.unsharded[cursor : cursor + sp.numel].view(sp.shape))
@@ -172,15 +155,42 @@ class GatherUnit:
         for sp in self.params:
             sp.set_released()
         self.unsharded = None
-        self.comm.forget_released()  # the gather's aliases would keep the freed storage otherwise
+        Communicator.forget_released()  # the gather's aliases would keep the freed storage otherwise
+
+    # ---- holds -------------------------------------------------------------
+    def acquire(self, hold: Hold) -> None:
+        """Record a reason to keep the unit gathered (gathering it is `fetch`/`wait`'s job)."""
+        self._holds[hold] = 1 if hold is Hold.BACKWARD else self._holds[hold] + 1
+
+    def release(self, hold: Hold) -> None:
+        """Drop one such reason; with none left, the gathered values are dropped."""
+        if self._holds[hold] == 0:
+            raise RuntimeError(f"unit {self.label}: released a {hold.value} hold it does not have")
+        self._holds[hold] -= 1
+        self.release_if_unneeded()
+
+    def release_all(self, hold: Hold) -> None:
+        """Drop every hold of this kind (a pass that ended, or was abandoned by an exception)."""
+        self._holds[hold] = 0
+        self.release_if_unneeded()
+
+    def holds(self, hold: Hold) -> int:
+        return self._holds[hold]
 
     @property
     def needed(self) -> bool:
-        return self.persistent or self.refcount > 0 or self.pins > 0 or self.backward_held
+        return self.persistent or any(self._holds.values())
 
     def release_if_unneeded(self) -> None:
         if not self.needed:
             self.reshard()
+
+    def close(self) -> None:
+        """Drop every hold and the gathered values, persistent or not (the engine is being destroyed)."""
+        self.persistent = False
+        for hold in Hold:
+            self._holds[hold] = 0
+        self.reshard()
 
     def write_back(self, params: "set[ShardedParam] | None" = None) -> None:
         """Store the current full values (edited in place by the user) into the shards.
@@ -198,7 +208,7 @@ class GatherUnit:
     def gathers_in_place(self) -> bool:
         """A world of one with the shard in memory: nothing to gather, the parameters view the shard
         (edits go straight to it, as GatheredParameters' write-back would put them)."""
-        return self.comm.world_size == 1 and self.source is None
+        return not self.gather.mesh.sharded and self.source is None
 
     def unsharded_nbytes(self) -> int:
         """Memory the gathered values take beyond the shard (none when they are the shard)."""

@@ -1,7 +1,7 @@
 """When parameters are gathered and released: module hooks, the gather walks, backward.
 
 [Note: who holds a gathered unit]
-A unit stays gathered while anyone needs it (`GatherUnit.needed`):
+A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
 * forward frames: a module's pre-forward hook acquires the units of every
   parameter in its `_parameters` (its own, and tied ones it shares); its
   post-forward hook releases them. A parameter read by attribute from another
@@ -39,9 +39,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zero3.comm import Communicator
+from zero3.partition.mesh import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import GatherUnit, UnitState
+from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
+
+
+def expected_grads(unit: GatherUnit) -> int:
+    """Gradients a backward accumulates for the unit: its parameters that are trained."""
+    return sum(1 for sp in unit.params if sp.param.requires_grad and sp.grad_slot is not None)
 
 
 @dataclasses.dataclass
@@ -87,6 +93,7 @@ class ParamCoordinator:
         units: list[GatherUnit],
         module_units: dict[nn.Module, list[GatherUnit]],
         comm: Communicator,
+        mesh: ShardMesh,
         prefetch_numel: int,
         max_live_numel: int,
         persistent_unit: GatherUnit | None = None,
@@ -97,9 +104,9 @@ class ParamCoordinator:
         self.persistent_unit = persistent_unit
         self._module_units = module_units
         self.live = LiveCount()
-        self.forward_walk = GatherWalk("forward", units, comm, self.live, prefetch_numel, max_live_numel)
+        self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel)
         # The backward's last marker also says whether a rank has gradients to reduce late.
-        self.backward_walk = GatherWalk("backward", units, comm, self.live, prefetch_numel, max_live_numel, 1)
+        self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
@@ -112,6 +119,8 @@ class ParamCoordinator:
         # parameters can receive gradients (the reducer counts the others as zero).
         self.used_since_backward: set[GatherUnit] = set()
         self._in_backward = False
+        # Gradients each unit's backward still waits for: the unit is held until its last one is in.
+        self._grads_due: dict[GatherUnit, int] = {}
         self._handles: list[RemovableHandle] = []
         self._all_units = units + ([persistent_unit] if persistent_unit is not None else [])
         for unit in self._all_units:
@@ -172,7 +181,7 @@ class ParamCoordinator:
             unit.start_unshard(async_op=True)
 
     def _acquire(self, unit: GatherUnit, frame: _Frame) -> None:
-        unit.refcount += 1
+        unit.acquire(Hold.FORWARD)
         frame.held.append(unit)
         self.used_since_backward.add(unit)
         self._fetch(unit)
@@ -180,8 +189,7 @@ class ParamCoordinator:
 
     def _release_frame(self, frame: _Frame) -> None:
         for unit in frame.held:
-            unit.refcount -= 1
-            unit.release_if_unneeded()
+            unit.release(Hold.FORWARD)
         frame.held.clear()
 
     # ---- forward -------------------------------------------------------------
@@ -216,7 +224,7 @@ class ParamCoordinator:
                 for param in _params_in(output):
                     unit = sharded(param).unit  # type: ignore[union-attr]
                     assert unit is not None
-                    unit.refcount += 1
+                    unit.acquire(Hold.FORWARD)
                     self._root_returned.append(unit)
             self._release_frame(frame)
         if self._owns_forward_pass:
@@ -246,7 +254,7 @@ class ParamCoordinator:
             for param in returned:
                 unit = sharded(param).unit  # type: ignore[union-attr]
                 assert unit is not None
-                unit.refcount += 1
+                unit.acquire(Hold.FORWARD)
                 (parent.held if parent is not None else self._root_returned).append(unit)
         self._release_frame(frame)
 
@@ -262,8 +270,7 @@ class ParamCoordinator:
     def _release_root_returned(self) -> None:
         returned, self._root_returned = self._root_returned, []
         for unit in returned:
-            unit.refcount -= 1
-            unit.release_if_unneeded()
+            unit.release(Hold.FORWARD)
 
     # ---- backward --------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -286,7 +293,7 @@ class ParamCoordinator:
             self.begin_backward()  # a plain loss.backward()
         self._fetch(unit)
         unit.wait()
-        unit.backward_held = True
+        unit.acquire(Hold.BACKWARD)
 
     def begin_backward(self) -> None:
         if self._in_backward:
@@ -298,13 +305,20 @@ class ParamCoordinator:
         if self._walk is None:
             self._walk = self.backward_walk
             self.backward_walk.begin()
-        for unit in self.units:
-            unit.pending_grads = sum(1 for sp in unit.params if sp.param.requires_grad and sp.grad_slot is not None)
+        self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit))}
 
-    def on_unit_grads_done(self, unit: GatherUnit) -> None:
-        if unit.backward_held:
-            unit.backward_held = False
-            unit.release_if_unneeded()
+    def grad_arrived(self, unit: GatherUnit) -> None:
+        """A gradient of one of the unit's parameters has been accumulated; after its last one,
+        backward needs the unit no more."""
+        due = self._grads_due.get(unit)
+        if due is None:
+            return
+        if due > 1:
+            self._grads_due[unit] = due - 1
+            return
+        del self._grads_due[unit]
+        if unit.holds(Hold.BACKWARD):
+            unit.release(Hold.BACKWARD)
 
     def end_backward(self, extra: list[int] | None = None) -> list[list[int]]:
         """Leave the backward pass on every rank together; returns every rank's `extra` ints."""
@@ -313,8 +327,7 @@ class ParamCoordinator:
             return extras
         self._in_backward = False
         for unit in self.units:
-            unit.backward_held = False
-            unit.release_if_unneeded()
+            unit.release_all(Hold.BACKWARD)
         self._release_root_returned()
         if self._walk is self.backward_walk:
             self._walk = None
@@ -329,8 +342,7 @@ class ParamCoordinator:
         for walk in (self.forward_walk, self.backward_walk):
             walk.release_unclaimed()
         for unit in self.units:
-            unit.backward_held = False
-            unit.release_if_unneeded()
+            unit.release_all(Hold.BACKWARD)
 
     def reset(self) -> None:
         """After an exception escaped forward or backward: drop every hold, end any open pass.
@@ -340,7 +352,7 @@ class ParamCoordinator:
         self._exit_saved_hooks()
         for frame in self._frames:
             for unit in frame.held:
-                unit.refcount -= 1
+                unit.release(Hold.FORWARD)
         self._frames.clear()
         self._forward_depth = 0
         self._owns_forward_pass = False

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -25,9 +26,11 @@ from zero3.offload.report import StateReport
 from zero3.offload.tiers import check_free_space, check_tiers, disk_needs, grad_device, lay_out_params, optimizer_states
 from zero3.partition import param_dict
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
+from zero3.partition.collectives import GradReduce, ParamGather
+from zero3.partition.mesh import ShardMesh
 from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
-from zero3.partition.unit import GatherUnit, UnitState
+from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.loss_scaler import build_loss_scaler
@@ -54,6 +57,7 @@ class ZeroEngine:
         model: nn.Module,
         config: Zero3Config,
         comm: Communicator,
+        mesh: ShardMesh,
         device: torch.device,
         model_parameters: Iterable[Any] | None,
         lr_scheduler: Any = None,
@@ -61,10 +65,12 @@ class ZeroEngine:
         self.module = model
         self.config = config
         self.comm = comm
+        self.mesh = mesh
+        self.gather = ParamGather(mesh, comm)
         self.device = device
-        self.global_rank = comm.rank
-        self.world_size = comm.world_size
-        self.batch = config.resolve_batch(comm.world_size)
+        self.global_rank = dist.get_rank()
+        self.world_size = mesh.world_size
+        self.batch = config.resolve_batch(mesh.world_size)
         self.compute_dtype = config.compute_dtype
         zc = config.zero_optimization
         check_tiers(config, device)
@@ -75,20 +81,20 @@ class ZeroEngine:
                 "lr_scheduler must be a factory called with the engine's torch optimizer "
                 f"(the optimizer does not exist before initialize), got {type(lr_scheduler).__name__}"
             )
-        if comm.rank == 0:
+        if self.global_rank == 0:
             for message in config.ignored_settings():
                 log.warning("%s", message)
 
         comm.open_side_groups()
         self._partition(model)
         self.units, module_units, self.persistent_unit = build_units(
-            model, comm, zc.stage3_param_persistence_threshold
+            model, self.gather, zc.stage3_param_persistence_threshold
         )
         self.sharded_params = [sp for unit in self.all_units for sp in unit.params]
         groups = self._optimizer_groups(model, model_parameters) if config.optimizer is not None else []
 
         # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
-        self.disk = DiskTier(comm.rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
+        self.disk = DiskTier(self.global_rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
         self.host_pool = HostBufferPool(device)
         trainable = [sp for sps, _ in groups for sp in sps]
         trainable_numel = sum(sp.shard_numel for sp in trainable)
@@ -98,7 +104,7 @@ class ZeroEngine:
         self.param_disk = layout.disk_tier
 
         self.reducer = GradientReducer(
-            comm, trainable, config.communication_dtype, device,
+            GradReduce(mesh, comm), trainable, config.communication_dtype, device,
             zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
         )
         self.loss_scaler = build_loss_scaler(config.fp16)
@@ -122,7 +128,7 @@ class ZeroEngine:
             # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
             self.optimizer.borrow_scratch = self.reducer.idle_scratch
         self.coordinator = ParamCoordinator(
-            model, self.units, module_units, comm, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
+            model, self.units, module_units, comm, mesh, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
             self.persistent_unit,
         )
         self.offloader = StateOffloader(
@@ -152,7 +158,7 @@ class ZeroEngine:
     # ---- construction ------------------------------------------------------------
     def _partition(self, model: nn.Module) -> None:
         """Partition what zero3.Init did not, move buffers, and name every parameter."""
-        partitioner = Partitioner(self.comm, self.device, self.compute_dtype)
+        partitioner = Partitioner(self.gather, self.device, self.compute_dtype)
         for name, module in model.named_modules():
             partitioner.partition_module(module, name)
             for key, buf in module._buffers.items():
@@ -235,9 +241,7 @@ class ZeroEngine:
                 self._begin_backward()  # no-op unless a plain loss.backward() runs outside engine.backward
                 sp.has_grad = True
                 self.reducer.add(sp, grad)
-            unit.pending_grads -= 1
-            if unit.pending_grads == 0:
-                self.coordinator.on_unit_grads_done(unit)
+            self.coordinator.grad_arrived(unit)
 
         return hook
 
@@ -506,7 +510,7 @@ class ZeroEngine:
             self.optimizer.repair_lp()
             self._refresh_gathered()
         return full_params.stream(
-            self.module, self.comm, self.offloader, self.compute_dtype if dtype is None else dtype, names,
+            self.module, self.gather, self.offloader, self.compute_dtype if dtype is None else dtype, names,
         )
 
     def wait_for_checkpoint(self) -> None:
@@ -611,7 +615,7 @@ class ZeroEngine:
     def _check_between_steps(self, what: str) -> None:
         if self.coordinator.in_forward or self.coordinator.in_backward:
             raise RuntimeError(f"engine.{what}() was called inside a forward or backward; call it between steps")
-        pinned = [unit.label for unit in self.all_units if unit.pins]
+        pinned = [unit.label for unit in self.all_units if unit.holds(Hold.PIN)]
         if pinned:
             raise RuntimeError(
                 f"engine.{what}() was called inside GatheredParameters (gathered: {pinned}); call it after the block"
@@ -671,9 +675,7 @@ class ZeroEngine:
             handle.remove()
         self._grad_hook_handles.clear()
         for unit in self.all_units:
-            unit.persistent = False
-            unit.pins = 0
-            unit.reshard()
+            unit.close()
         for module in self.module.modules():
             param_dict.uninstall(module)
         for sp in self.sharded_params:

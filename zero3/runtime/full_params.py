@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from zero3.comm import Communicator
+from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam, require_sharded
 
@@ -56,7 +57,7 @@ class ParkedStates(Protocol):
 
 def stream(
     module: nn.Module,
-    comm: Communicator,
+    gather: ParamGather,
     parked: ParkedStates,
     dtype: torch.dtype,
     names: Iterable[str] | None,
@@ -73,9 +74,9 @@ def stream(
         if isinstance(names, str) or not all(isinstance(name, str) for name in listed):
             raise TypeError(f"iter_full_params: names must be a collection of parameter names (str), got {names!r}")
         wanted = sorted(set(listed))
-    _check_same_request(comm, dtype, wanted)
+    _check_same_request(gather, dtype, wanted)
     chosen = select(module, wanted)
-    return _gathered(chosen, comm, parked, dtype)
+    return _gathered(chosen, gather, parked, dtype)
 
 
 def select(module: nn.Module, names: Collection[str] | None) -> list[tuple[str, ShardedParam]]:
@@ -95,12 +96,12 @@ def select(module: nn.Module, names: Collection[str] | None) -> list[tuple[str, 
     return list(chosen.values())
 
 
-def _check_same_request(comm: Communicator, dtype: torch.dtype, names: list[str] | None) -> None:
+def _check_same_request(gather: ParamGather, dtype: torch.dtype, names: list[str] | None) -> None:
     """Every rank asks for the same stream, or every rank raises (different ones would gather
     different parameters and hang, or trade shards of different parameters)."""
-    if comm.world_size == 1:
+    if gather.comm is None or not gather.mesh.sharded:
         return
-    requests = comm.all_gather_objects((str(dtype), names))
+    requests = gather.comm.all_gather_objects((str(dtype), names))
     if any(request != requests[0] for request in requests):
         differing = [rank for rank, request in enumerate(requests) if request != requests[0]]
         raise ValueError(
@@ -123,31 +124,31 @@ class _GatherBuffer:
 
 
 def _gathered(
-    chosen: list[tuple[str, ShardedParam]], comm: Communicator, parked: ParkedStates, dtype: torch.dtype,
+    chosen: list[tuple[str, ShardedParam]], gather: ParamGather, parked: ParkedStates, dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if not chosen:
         return
     parked.settle()  # background offload writes or reloads land first: each buffer is where it says
     output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device)
     for name, sp in chosen:
-        yield name, _whole(sp, comm, parked, output)
+        yield name, _whole(sp, gather, parked, output)
     del output
-    comm.forget_released()  # the collectives' aliases of the buffer go with it
+    Communicator.forget_released()  # the collectives' aliases of the buffer go with it
 
 
-def _whole(sp: ShardedParam, comm: Communicator, parked: ParkedStates, output: _GatherBuffer) -> torch.Tensor:
+def _whole(sp: ShardedParam, gather: ParamGather, parked: ParkedStates, output: _GatherBuffer) -> torch.Tensor:
     """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
     slot = sp.lp_slot
     assert slot is not None, f"parameter {sp.name} has no shard storage"
     buffer = slot.buffer
     in_place = not buffer.parked and buffer.dtype == output.dtype and buffer.device == output.device
-    if comm.world_size == 1 and in_place:
-        return slot.view()[: sp.numel].view(sp.shape)  # a world of one: the shard is the parameter
+    if not gather.mesh.sharded and in_place:
+        return slot.view()[: sp.numel].view(sp.shape)  # a shard group of one: the shard is the parameter
     full = output.take(sp.padded_numel)
-    own = full.narrow(0, comm.rank * sp.shard_numel, sp.shard_numel)
+    own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
     _read_shard(slot, own, parked)
-    if comm.world_size > 1 and sp.shard_numel > 0:
-        comm.all_gather_flat(full, own)  # in place: this rank's shard already sits in its chunk
+    if sp.shard_numel > 0:
+        gather.gather(own, full)  # in place: this rank's shard already sits in its chunk
     return full[: sp.numel].view(sp.shape)
 
 

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
+from zero3.partition.collectives import PendingGather
+from zero3.partition.mesh import ShardMesh
 from zero3.partition.unit import GatherUnit, UnitState
 
 log = logging.getLogger("zero3")
@@ -128,6 +130,7 @@ class GatherWalk:
         name: str,
         units: list[GatherUnit],
         comm: Communicator,
+        mesh: ShardMesh,
         live: LiveCount,
         prefetch_numel: int,
         max_live_numel: int,
@@ -141,7 +144,7 @@ class GatherWalk:
         self.live = live
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self.lockstep = comm.world_size > 1
+        self.lockstep = mesh.sharded  # gathers are collectives only across a shard group
         self._index = {unit: i for i, unit in enumerate(units)}
         # Fixed size of a marker's trace field (longer traces are cut: the order is only a hint).
         self._trace_cap = 4 * len(units) + 16
@@ -153,7 +156,7 @@ class GatherWalk:
         self.trace: list[int] = []
         self._unclaimed: dict[GatherUnit, None] = {}  # gathered by the walk, not yet used (oldest first)
         self._unclaimed_numel = 0
-        self._throwaway: deque[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = deque()
+        self._throwaway: deque[PendingGather] = deque()  # spare gathers: this rank's part for the others
         self._throwaway_numel = 0
         self._markers: list[tuple[torch.Tensor, dist.Work | None]] = []
         self._warned_live = False
@@ -251,11 +254,9 @@ class GatherWalk:
                 self._release_oldest()
         elif self.lockstep:
             # Gathered here already (in use): still part of the collective for the others.
-            output = torch.empty(self.comm.world_size * unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            shard = unit.local_shard()
-            work = self.comm.all_gather_flat(output, shard, async_op=True)
-            self._throwaway.append((work, output, shard))
-            self._throwaway_numel += output.numel()
+            spare = unit.start_gather()
+            self._throwaway.append(spare)
+            self._throwaway_numel += spare.output.numel()
             while self._throwaway_numel > self.prefetch_numel and self._throwaway:
                 self._drop_throwaway()
 
@@ -311,11 +312,9 @@ class GatherWalk:
             )
 
     def _drop_throwaway(self) -> None:
-        work, output, _ = self._throwaway.popleft()  # the input is dropped with it, once the gather is done
-        if work is not None:
-            work.wait()
-        self._throwaway_numel -= output.numel()
-        del work, output
+        spare = self._throwaway.popleft()  # the input is dropped with it, once the gather is done
+        self._throwaway_numel -= spare.wait().numel()
+        del spare
         self.comm.forget_released()
 
     # ---- markers --------------------------------------------------------------------

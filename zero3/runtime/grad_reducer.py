@@ -17,7 +17,7 @@ gradient is copied to its place as it arrives (the bucket takes its slot at
 its first gradient), so autograd's full-size gradient is freed at once and
 nothing waits for a bucket to fill but the bucket itself (as in DeepSpeed;
 holding the gradients until the bucket went out kept up to a bucket of them
-alive besides the slot). One `reduce_scatter_flat` sums the slot across
+alive besides the slot). One reduce-scatter (the mesh's `GradReduce`) sums the slot across
 ranks, in place (this rank's sum lands in its own chunk of the slot). Each rank then adds its
 shard into its region of `lp_grads` (in `grad_accum_dtype`), so gradients
 accumulate across micro-steps there. Scaling follows DeepSpeed: gradients
@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
+from zero3.partition.collectives import GradReduce
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam
 
@@ -62,9 +63,8 @@ from zero3.partition.sharded_param import ShardedParam
 # A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
 # exceeds reduce_bucket_size): with one bucket for the whole model (DeepSpeed's 5e8 default covers models
 # up to 500M parameters) nothing is reduced before the backward ends, and the scratch is the whole model.
-# 16 makes the scratch (two slots) an eighth of the gradients, near FSDP2's per-block reduce buffers: on
-# the 12 x 1024 GPT at 2 CPU ranks, peak RSS after 4 steps 2,843-2,882 MiB per rank with 4 buckets,
-# 2,588-2,614 with 16, and the step no slower (benchmarks/step_time.py: 3.88 s vs 4.25 s).
+# 16 makes the scratch (two slots) an eighth of the gradients, near FSDP2's per-block reduce buffers
+# (measured with benchmarks/step_time.py; the README has the figures).
 MIN_BUCKETS = 16
 
 
@@ -116,7 +116,7 @@ class _HostArrival:
 class GradientReducer:
     def __init__(
         self,
-        comm: Communicator,
+        reduce: GradReduce,
         params: list[ShardedParam],
         comm_dtype: torch.dtype,
         device: torch.device,
@@ -125,18 +125,20 @@ class GradientReducer:
         predivide_factor: float = 1.0,
         prescale: bool = False,
     ) -> None:
-        world = comm.world_size
+        world = reduce.mesh.shard_size
         total = sum(sp.padded_numel for sp in params)
         largest = max((sp.padded_numel for sp in params), default=0)
         self.capacity = bucket_capacity(total, largest, bucket_numel, world)
-        self.comm = comm
+        self.reduce = reduce
+        self.world = world
         self.dtype = comm_dtype
         self.device = device
         self.buckets = self._cut(list(reversed(params)))
         self._where = {sp: (j, k) for j, bucket in enumerate(self.buckets) for k, sp in enumerate(bucket.params)}
         self.slots = slot_count(total, self.capacity, overlap)
-        self.pre_scale = 1.0 / world if prescale else 1.0 / predivide_factor
-        self.post_scale = 1.0 if prescale else predivide_factor / world
+        ranks = reduce.mesh.world_size  # the mean is over every rank's gradient, replicas included
+        self.pre_scale = 1.0 / ranks if prescale else 1.0 / predivide_factor
+        self.post_scale = 1.0 if prescale else predivide_factor / ranks
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
         self._waiter: ThreadPoolExecutor | None = None  # the CPU's completion watcher (see the Note)
         self._watched: list[Future[None]] = []
@@ -168,12 +170,12 @@ class GradientReducer:
         size = 0
         for sp in params:
             if current and size + sp.padded_numel > self.capacity:
-                buckets.append(_Bucket(current, size, size // self.comm.world_size))
+                buckets.append(_Bucket(current, size, size // self.world))
                 current, size = [], 0
             current.append(sp)
             size += sp.padded_numel
         if current:
-            buckets.append(_Bucket(current, size, size // self.comm.world_size))
+            buckets.append(_Bucket(current, size, size // self.world))
         return buckets
 
     # ---- scratch --------------------------------------------------------------
@@ -287,7 +289,7 @@ class GradientReducer:
     def _param_view(self, j: int, k: int, storage: torch.Tensor) -> torch.Tensor:
         """Parameter k's place in bucket j: [world, its shard numel], one row per rank's chunk."""
         bucket = self.buckets[j]
-        full = storage.narrow(0, 0, bucket.padded_numel).view(self.comm.world_size, bucket.shard_numel)
+        full = storage.narrow(0, 0, bucket.padded_numel).view(self.world, bucket.shard_numel)
         return full.narrow(1, self._offsets[j][k], bucket.params[k].shard_numel)
 
     def _place(self, j: int, k: int, grad: torch.Tensor, may_block: bool = False) -> None:
@@ -337,10 +339,10 @@ class GradientReducer:
         slot = self._storage[j][1]  # type: ignore[index]
         self._storage[j] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
-        output = full.narrow(0, self.comm.rank * bucket.shard_numel, bucket.shard_numel)
+        output = self.reduce.own_chunk(full, bucket.shard_numel)  # reduced in place
         if self.pre_scale != 1.0:
             full.mul_(self.pre_scale)
-        work = self.comm.reduce_scatter_flat(output, full, async_op=True)
+        work = self.reduce.start(output, full)
         reduction = _Reduction(bucket, work, output, slot, self._watch(work))
         self._inflight.append(reduction)
         if slot is not None:
@@ -364,6 +366,7 @@ class GradientReducer:
     def _land(self, reduction: _Reduction) -> None:
         if reduction.work is not None:
             reduction.work.wait()
+        self.reduce.finish(reduction.output)
         params = reduction.bucket.params
         if params and params[0].grad_slot.view().device != reduction.output.device:  # type: ignore[union-attr]
             # ZeRO-Offload keeps the gradients in host memory (see the Note).
@@ -374,7 +377,7 @@ class GradientReducer:
         if reduction.slot is not None:
             self._busy[reduction.slot] = None
         reduction.work = None
-        self.comm.forget_released()
+        Communicator.forget_released()
 
     def _add(self, params: list[ShardedParam], output: torch.Tensor) -> None:
         """Accumulate a landed shard (the bucket's parameters, in order) into their gradient slots."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
+from zero3.partition.mesh import ShardMesh
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.optimizer import ZeroOptimizer
 
@@ -47,5 +48,5 @@ def initialize(
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.init_distributed(device)
-    engine = ZeroEngine(model, cfg, comm.Communicator(), device, model_parameters, lr_scheduler)
+    engine = ZeroEngine(model, cfg, comm.Communicator(), ShardMesh.of_group(), device, model_parameters, lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -121,9 +121,8 @@ class ZeroOptimizer:
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
-        # Torch's fused kernel on either device: on the host it is 4-5x faster than foreach at 1e7-1e8
-        # elements and level with DeepSpeedCPUAdam there (0.93-1.02x); DeepSpeed's wins on sub-groups
-        # of 1e6 (benchmarks/host_adam.py).
+        # Torch's fused kernel on either device: on the host it beats foreach and keeps up with
+        # DeepSpeedCPUAdam at large sub-groups (benchmarks/host_adam.py; figures in the README).
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         p = config.params
         self.optimizer = cls(
@@ -303,8 +302,7 @@ class ZeroOptimizer:
     ) -> None:
         hp = window["hp_params"]
         # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored), in the
-        # idle reduce bucket when it is large enough: a fresh buffer page-faults in every step
-        # (19 ms vs 1.8 ms to fill for 9.5M elements on this machine's CPU).
+        # idle reduce bucket when it is large enough: a fresh buffer page-faults in every step.
         grad = self._fp32_grads(sub.numel, hp.device)
         grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient is not None:
