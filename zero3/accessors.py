@@ -11,6 +11,8 @@ import torch
 
 from zero3.enums import ParamStatus
 from zero3.partition.sharded_param import require_sharded
+from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.optimizer import master_slots
 
 
 def param_status(param: torch.Tensor) -> ParamStatus:
@@ -26,24 +28,25 @@ def safe_get_local_lp_param(param: torch.Tensor) -> torch.Tensor:
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's fp32 master shard; None for a parameter the optimizer does not train."""
-    sp = require_sharded(param, "safe_get_local_fp32_param")
-    return sp.hp_slot.read() if sp.hp_slot is not None else None
+    slots = master_slots(require_sharded(param, "safe_get_local_fp32_param"))
+    return slots.hp.read() if slots is not None else None
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's reduced gradient shard (16-bit, fp16 loss scale not removed); None if frozen."""
     sp = require_sharded(param, "safe_get_local_grad")
-    return sp.grad_slot.view() if sp.grad_slot is not None else None
+    grads = GradShards.of(sp)
+    return grads.view(sp) if grads is not None else None
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, name: str) -> torch.Tensor | None:
     """This rank's shard of an optimizer state ("exp_avg", "exp_avg_sq")."""
-    sp = require_sharded(param, "safe_get_local_optimizer_state")
-    if sp.hp_slot is None:
+    slots = master_slots(require_sharded(param, "safe_get_local_optimizer_state"))
+    if slots is None:
         return None
-    if name not in sp.optim_slots:
-        raise ValueError(f"unknown optimizer state {name!r}; expected one of {sorted(sp.optim_slots)}")
-    return sp.optim_slots[name].read()
+    if name not in slots.moments:
+        raise ValueError(f"unknown optimizer state {name!r}; expected one of {sorted(slots.moments)}")
+    return slots.moments[name].read()
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     sp = require_sharded(param, "safe_get_full_fp32_param")
     assert sp.unit is not None
     assert sp.lp_slot is not None
-    shard = sp.hp_slot.read() if sp.hp_slot is not None else sp.lp_slot.read().float()
+    slots = master_slots(sp)
+    shard = slots.hp.read() if slots is not None else sp.lp_slot.read().float()
     full = sp.unit.gather.exact().gather(shard.to(sp.unit.device).contiguous())
     return full[: sp.numel].view(sp.shape)

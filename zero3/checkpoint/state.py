@@ -20,7 +20,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,9 +36,7 @@ from zero3.comm import Communicator
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
-
-if TYPE_CHECKING:
-    from zero3.runtime.engine import ZeroEngine
+from zero3.runtime.optimizer import ZeroOptimizer
 
 log = logging.getLogger("zero3")
 
@@ -63,40 +61,80 @@ def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
     return RangeChunks(shape, dtype, start, end, read=read, write=write)
 
 
-def entries(engine: ZeroEngine, optimizer_states: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TrainingCounters:
+    """Where training stands: what a checkpoint records besides the tensors, and a load restores."""
+
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+
+
+@dataclass(frozen=True)
+class CheckpointedEngine:
+    """What a save or a load reads of an engine (the engine builds it; nothing here writes back to it)."""
+
+    module: torch.nn.Module
+    comm: Communicator
+    rank: int  # in the job
+    world_size: int
+    compute_dtype: torch.dtype
+    device: torch.device
+    sharded_params: list[ShardedParam]
+    optimizer: ZeroOptimizer | None
+    loss_scaler: Any  # state_dict() / load_state_dict()
+    lr_scheduler: Any  # None, or state_dict() / load_state_dict()
+    host_pool: HostBufferPool
+    counters: TrainingCounters
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a load read, for the engine to apply: its counters and the scheduler's state (None when
+    the caller asked for the module only), and the client state."""
+
+    path: str
+    client_state: Any
+    counters: TrainingCounters | None
+    loss_scaler: dict[str, Any] | None
+    lr_scheduler: dict[str, Any] | None
+
+
+def entries(engine: CheckpointedEngine, optimizer_states: bool) -> dict[str, Any]:
     """This rank's state-dict for DCP (views of the engine's buffers where they are in memory)."""
     out: dict[str, Any] = {}
     optimizer = engine.optimizer
     for sp in engine.sharded_params:
-        if optimizer is not None and sp.hp_slot is not None:
-            out[f"model.{sp.name}"] = _chunks(sp, sp.hp_slot, torch.float32)
+        slots = optimizer.masters.get(sp) if optimizer is not None else None
+        if optimizer is not None and slots is not None:
+            out[f"model.{sp.name}"] = _chunks(sp, slots.hp, torch.float32)
             if optimizer_states:
                 for name in MOMENTS:
-                    out[f"optim.{sp.name}.{name}"] = _chunks(sp, sp.optim_slots[name], torch.float32)
+                    out[f"optim.{sp.name}.{name}"] = _chunks(sp, slots.moments[name], torch.float32)
                 out[f"optim.{sp.name}.step"] = optimizer.step_count(sp).clone()
         else:
             assert sp.lp_slot is not None
             out[f"model.{sp.name}"] = _chunks(sp, sp.lp_slot, sp.dtype)
-    for name, buffer in persistent_buffers(engine).items():
+    for name, buffer in persistent_buffers(engine.module).items():
         out[f"buffer.{name}"] = buffer  # whole on every rank: written once, loaded in place
     return out
 
 
-def persistent_buffers(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's buffers that belong in its state (never partitioned)."""
-    params = set(dict(engine.module.named_parameters(remove_duplicate=False)))
-    return {name: value for name, value in engine.module.state_dict().items() if name not in params}
+    params = set(dict(module.named_parameters(remove_duplicate=False)))
+    return {name: value for name, value in module.state_dict().items() if name not in params}
 
 
-def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
+def _engine_state(engine: CheckpointedEngine, client_state: Any) -> dict[str, Any]:
     optimizer = engine.optimizer
     return {
         "format": FORMAT,
         "world_size": engine.world_size,
         "compute_dtype": str(engine.compute_dtype),
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.counters.global_steps,
+        "micro_steps": engine.counters.micro_steps,
+        "skipped_steps": engine.counters.skipped_steps,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer": None if optimizer is None else {
@@ -104,13 +142,13 @@ def _engine_state(engine: ZeroEngine, client_state: Any) -> dict[str, Any]:
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         },
         "params": {sp.name: list(sp.shape) for sp in engine.sharded_params},
-        "buffers": list(persistent_buffers(engine)),
+        "buffers": list(persistent_buffers(engine.module)),
         "client_state": client_state,
     }
 
 
 def save(
-    engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None, client_state: Any,
+    engine: CheckpointedEngine, save_dir: str | os.PathLike[str], tag: str | None, client_state: Any,
     save_latest: bool, keep_last: int | None, executor: ThreadPoolExecutor | None = None,
 ) -> Future[Path] | Path:
     """Every rank writes its own pieces; rank 0 publishes the tag once all are complete (collective).
@@ -119,24 +157,24 @@ def save(
     there on a gloo group of its own, and a Future is returned; else the path, once published.
     """
     comm = engine.comm
-    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = check_tag(tag if tag is not None else f"global_step{engine.counters.global_steps}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r}: expected a positive number of tags to keep, or None")
     tags = comm.all_gather_objects(tag)
     if len(set(tags)) > 1:
         raise CheckpointError(f"the ranks asked for different checkpoint tags {tags}: every rank must pass the same")
     root = Path(save_dir)
-    if engine.global_rank == 0:
+    if engine.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
         staging_dir(root, tag).mkdir()
     comm.barrier()
     # The engine's own state is taken now (an async write must not see later steps).
     engine_state = io.BytesIO()
-    if engine.global_rank == 0:
+    if engine.rank == 0:
         torch.save(_engine_state(engine, client_state), engine_state)
     live = entries(engine, optimizer_states=engine.optimizer is not None)
-    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last, engine.global_rank)
+    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last, engine.rank)
     if executor is None:
         return job.run(comm, live, comm.control_group)
     staged = _stage(live, engine.host_pool, engine.device)
@@ -235,10 +273,11 @@ def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> lis
 
 
 def load(
-    engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
+    engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
     load_lr_scheduler_states: bool, load_module_only: bool, strict: bool,
-) -> tuple[str, Any]:
-    """Check everything, then read into the engine's buffers (collective). Returns (path, client_state)."""
+) -> Restored:
+    """Check everything, then read into the engine's buffers (collective). The masters are loaded and
+    the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied."""
     comm = engine.comm
     path = resolve(load_dir, tag)
     state = read_engine_state(path)
@@ -269,7 +308,7 @@ def load(
     # Every file's checksum, the work split across ranks, before anything changes.
     names = sorted(state["files"])
     found = [line for lines in comm.all_gather_objects(
-        damaged(path, state["files"], names[engine.global_rank :: engine.world_size])) for line in lines]
+        damaged(path, state["files"], names[engine.rank :: engine.world_size])) for line in lines]
     if found:
         raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
     if not strict:
@@ -283,14 +322,9 @@ def load(
                 optimizer.set_step_count(sp, wanted[f"optim.{sp.name}.step"])
             for group, saved_group in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
                 group.update(saved_group)
-        optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters
-        optimizer.repair_lp()
-    engine._refresh_gathered()
-    if not load_module_only:
-        engine.global_steps = state["global_steps"]
-        engine.micro_steps = state["micro_steps"]
-        engine.skipped_steps = state["skipped_steps"]
-        engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    return str(path), state["client_state"]
+        optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters (the engine rewrites them)
+    if load_module_only:
+        return Restored(str(path), state["client_state"], None, None, None)
+    counters = TrainingCounters(state["global_steps"], state["micro_steps"], state["skipped_steps"])
+    scheduler = state["lr_scheduler"] if load_lr_scheduler_states else None
+    return Restored(str(path), state["client_state"], counters, state["loss_scaler"], scheduler)

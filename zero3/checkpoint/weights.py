@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from zero3.checkpoint.state import persistent_buffers
-
-if TYPE_CHECKING:
-    from zero3.runtime.engine import ZeroEngine
 
 INDEX_SUFFIX = ".index.json"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -101,21 +98,21 @@ class ShardedSafetensors:
 
 
 def save_live(
-    engine: ZeroEngine, save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int,
-    exclude_frozen_parameters: bool,
+    rank: int, module: torch.nn.Module, stream: Callable[[list[str] | None], Iterable[tuple[str, torch.Tensor]]],
+    save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int, exclude_frozen_parameters: bool,
 ) -> list[Path]:
-    """Stream the whole parameters (`engine.iter_full_params`: one gathered at a time, collective);
-    rank 0 writes each once (a tied weight under its first name), then the buffers."""
-    writer = ShardedSafetensors(save_dir, filename, max_shard_bytes) if engine.global_rank == 0 else None
+    """Write the whole parameters that `stream(names)` yields (an engine's `iter_full_params`: one gathered
+    at a time, collective); rank 0 writes each once (a tied weight under its first name), then the buffers."""
+    writer = ShardedSafetensors(save_dir, filename, max_shard_bytes) if rank == 0 else None
     names = None
     if exclude_frozen_parameters:
-        names = [name for name, param in engine.module.named_parameters() if param.requires_grad]
-    for name, tensor in engine.iter_full_params(names=names):
+        names = [name for name, param in module.named_parameters() if param.requires_grad]
+    for name, tensor in stream(names):
         if writer is not None:
             # Kept past the next item, so copied (moving it to the host copies a device tensor already).
             writer.add(name, tensor.clone() if tensor.device.type == "cpu" else tensor)
     if writer is None:
         return []
-    for name, value in persistent_buffers(engine).items():  # never partitioned: whole on every rank
+    for name, value in persistent_buffers(module).items():  # never partitioned: whole on every rank
         writer.add(name, value)
     return writer.close()

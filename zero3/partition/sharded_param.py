@@ -40,12 +40,9 @@ class ShardedParam:
         self.shard_numel = mesh.shard_numel(self.numel)
         self.unit: GatherUnit | None = None
         self.lp_slot: Slot | None = None
-        # Optimizer-side slots, set when an engine builds its optimizer.
-        self.hp_slot: Slot | None = None
-        self.grad_slot: Slot | None = None
-        self.optim_slots: dict[str, Slot] = {}
-        # Whether a gradient reached this parameter since the last optimizer step.
-        self.has_grad = False
+        # Other copies of this shard that a new full value must reach too (an optimizer's fp32
+        # master): the optimizer adds its own and keeps everything else of its state to itself.
+        self.followers: list[Slot] = []
         # fp32 copy of this rank's shard taken at partition time, so the master
         # starts from the exact fp32 initialisation rather than a 16-bit round trip.
         self.hp_seed: torch.Tensor | None = None
@@ -92,9 +89,9 @@ class ShardedParam:
         shard = self.shard_of(full.detach())
         assert self.lp_slot is not None
         self.lp_slot.write(shard)
-        if self.hp_slot is not None:
-            self.hp_slot.write(shard)
-        elif self.hp_seed is not None:
+        for follower in self.followers:
+            follower.write(shard)
+        if self.hp_seed is not None:
             self.hp_seed.copy_(shard)
 
     # The engine's own `.data` swaps bypass torch-function modes: zero3.Init's

@@ -43,11 +43,14 @@ from zero3.partition.mesh import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
+from zero3.runtime.grad_shards import GradShards
 
 
-def expected_grads(unit: GatherUnit) -> int:
+def expected_grads(unit: GatherUnit, grads: GradShards | None) -> int:
     """Gradients a backward accumulates for the unit: its parameters that are trained."""
-    return sum(1 for sp in unit.params if sp.param.requires_grad and sp.grad_slot is not None)
+    if grads is None:
+        return 0
+    return sum(1 for sp in unit.params if sp.param.requires_grad and sp in grads)
 
 
 @dataclasses.dataclass
@@ -97,6 +100,7 @@ class ParamCoordinator:
         prefetch_numel: int,
         max_live_numel: int,
         persistent_unit: GatherUnit | None = None,
+        grads: GradShards | None = None,
     ) -> None:
         self.module = module
         self.units = units
@@ -120,6 +124,7 @@ class ParamCoordinator:
         self.used_since_backward: set[GatherUnit] = set()
         self._in_backward = False
         # Gradients each unit's backward still waits for: the unit is held until its last one is in.
+        self._grads = grads
         self._grads_due: dict[GatherUnit, int] = {}
         self._handles: list[RemovableHandle] = []
         self._all_units = units + ([persistent_unit] if persistent_unit is not None else [])
@@ -305,7 +310,7 @@ class ParamCoordinator:
         if self._walk is None:
             self._walk = self.backward_walk
             self.backward_walk.begin()
-        self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit))}
+        self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit, self._grads))}
 
     def grad_arrived(self, unit: GatherUnit) -> None:
         """A gradient of one of the unit's parameters has been accumulated; after its last one,

@@ -33,6 +33,7 @@ from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_reducer import GradientReducer
+from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import build_loss_scaler
 from zero3.runtime.lr_schedules import build_lr_scheduler
 from zero3.runtime.optimizer import ZeroOptimizer
@@ -103,9 +104,15 @@ class ZeroEngine:
         self.lp_buffers = layout.buffers
         self.param_disk = layout.disk_tier
 
+        # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
+        self.grads = (
+            GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
+            if config.optimizer is not None else None
+        )
         self.reducer = GradientReducer(
             GradReduce(mesh, comm), trainable, config.communication_dtype, device,
             zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
+            self.grads,
         )
         self.loss_scaler = build_loss_scaler(config.fp16)
         self.optimizer: ZeroOptimizer | None = None
@@ -117,9 +124,8 @@ class ZeroEngine:
                 scratch_bytes = self.reducer.scratch_numel() * self.reducer.dtype.itemsize
                 sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
             self.optimizer = ZeroOptimizer(
-                groups, config.optimizer, comm, device, config.grad_accum_dtype, sub_group_size,
+                groups, config.optimizer, comm, device, self.grads, sub_group_size,  # type: ignore[arg-type]
                 config.gradient_clipping, self.loss_scaler, optimizer_states(config, device, self.disk, self.host_pool),
-                grad_device(config, device),
             )
         for sp in self.sharded_params:
             sp.hp_seed = None  # frozen parameters keep no master
@@ -129,7 +135,7 @@ class ZeroEngine:
             self.optimizer.borrow_scratch = self.reducer.idle_scratch
         self.coordinator = ParamCoordinator(
             model, self.units, module_units, comm, mesh, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            self.persistent_unit,
+            self.persistent_unit, self.grads,
         )
         self.offloader = StateOffloader(
             device, self.disk, self.host_pool, self._state_buffers, self.reducer,
@@ -235,11 +241,11 @@ class ZeroEngine:
                 sp.set_released()
             if grad is None:
                 return
-            if sp.grad_slot is None:
+            if self.grads is None or sp not in self.grads:
                 log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
             else:
                 self._begin_backward()  # no-op unless a plain loss.backward() runs outside engine.backward
-                sp.has_grad = True
+                self.grads.mark_arrived(sp)
                 self.reducer.add(sp, grad)
             self.coordinator.grad_arrived(unit)
 
@@ -252,10 +258,7 @@ class ZeroEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
         self._require_resident("forward", FORWARD_NEEDS)
-        if self.optimizer is not None and self.optimizer.lp_stale:
-            # A step failed on disk after writing some 16-bit shards: they are rewritten from the masters.
-            self.optimizer.repair_lp()
-            self._refresh_gathered()
+        self._repair_lp()
         if self.compute_dtype != torch.float32:
             # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
             def cast(value: Any) -> Any:
@@ -394,6 +397,13 @@ class ZeroEngine:
         if self.timers.enabled:
             log.info("step %d time: %s", self.global_steps, self.timers.report())
 
+    def _repair_lp(self) -> None:
+        """16-bit shards that do not follow their masters (a step failed on disk after writing some, or
+        a load put new masters in) are rewritten from the masters, and what is gathered follows."""
+        if self.optimizer is not None and self.optimizer.lp_stale:
+            self.optimizer.repair_lp()
+            self._refresh_gathered()
+
     def _refresh_gathered(self) -> None:
         """Units still gathered (persistent, pinned) get the new values."""
         for unit in self.all_units:
@@ -447,12 +457,12 @@ class ZeroEngine:
         self.wait_for_checkpoint()
         self._finish_backward()
         self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
-        if self.optimizer is not None and any(sp.has_grad for sp in self.optimizer.params):
+        if self.grads is not None and self.grads.any_arrived():
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
         if async_save and self._checkpoint_writer is None:
             self._checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
         written = checkpoint_state.save(
-            self, save_dir, tag, client_state, save_latest, keep_last, self._checkpoint_writer if async_save else None
+            self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last, self._checkpoint_writer if async_save else None
         )
         if isinstance(written, Future):
             self._pending_checkpoint = written
@@ -476,7 +486,10 @@ class ZeroEngine:
         self._check_alive()
         self._check_between_steps("save_16bit_model")
         shard_bytes = checkpoint_weights.parse_size(max_shard_size)
-        checkpoint_weights.save_live(self, save_dir, save_filename, shard_bytes, exclude_frozen_parameters)
+        checkpoint_weights.save_live(
+            self.global_rank, self.module, lambda names: self.iter_full_params(names=names),
+            save_dir, save_filename, shard_bytes, exclude_frozen_parameters,
+        )
         self.comm.barrier()  # the files are complete on every rank's return
         return True
 
@@ -505,10 +518,7 @@ class ZeroEngine:
 
         self._check_alive()
         self._check_between_steps("iter_full_params")
-        if self.optimizer is not None and self.optimizer.lp_stale:
-            # A step failed on disk after writing some 16-bit shards: they are rewritten from the masters.
-            self.optimizer.repair_lp()
-            self._refresh_gathered()
+        self._repair_lp()
         return full_params.stream(
             self.module, self.gather, self.offloader, self.compute_dtype if dtype is None else dtype, names,
         )
@@ -546,13 +556,32 @@ class ZeroEngine:
         self._finish_backward()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.coordinator.release_all()
-        path, client_state = checkpoint_state.load(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+        restored = checkpoint_state.load(
+            self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
             load_module_strict,
         )
         if self.optimizer is not None:
+            self.optimizer.repair_lp()  # the 16-bit shards from the loaded masters
+        self._refresh_gathered()  # what is gathered follows (parameters without masters were loaded in place)
+        if restored.counters is not None:
+            self.global_steps = restored.counters.global_steps
+            self.micro_steps = restored.counters.micro_steps
+            self.skipped_steps = restored.counters.skipped_steps
+            self.loss_scaler.load_state_dict(restored.loss_scaler)
+            if self.lr_scheduler is not None and restored.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(restored.lr_scheduler)
+        if self.optimizer is not None:
             self.optimizer.zero_grad()
-        return path, client_state
+        return restored.path, restored.client_state
+
+    def _checkpointed(self) -> checkpoint_state.CheckpointedEngine:
+        return checkpoint_state.CheckpointedEngine(
+            module=self.module, comm=self.comm, rank=self.global_rank, world_size=self.world_size,
+            compute_dtype=self.compute_dtype, device=self.device, sharded_params=self.sharded_params,
+            optimizer=self.optimizer, loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
+            host_pool=self.host_pool,
+            counters=checkpoint_state.TrainingCounters(self.global_steps, self.micro_steps, self.skipped_steps),
+        )
 
     # ---- state offloading ---------------------------------------------------------
     def offload_states(
@@ -683,8 +712,7 @@ class ZeroEngine:
             if hasattr(sp.param, ATTR):
                 delattr(sp.param, ATTR)
             sp.unit = None
-            sp.lp_slot = sp.hp_slot = sp.grad_slot = None
-            sp.optim_slots = {}
+            sp.lp_slot = None
         self.reducer.close()
         self.reducer.scratch = None
         for buffer in self.lp_buffers:
@@ -692,12 +720,11 @@ class ZeroEngine:
         if self.param_disk is not None:
             self.param_disk.close()
         if self.optimizer is not None:
-            self.optimizer.states.close()
-            self.optimizer.optimizer.state.clear()
-            self.optimizer.optimizer.param_groups.clear()
-            self.optimizer.sub_groups.clear()
-            self.optimizer.params.clear()
+            self.optimizer.close()
             self.optimizer = None
+        if self.grads is not None:
+            self.grads.close()
+            self.grads = None
         self.lr_scheduler = None
         self.disk.close()
         self.host_pool.clear()

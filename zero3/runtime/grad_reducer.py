@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from zero3.comm import Communicator
 from zero3.partition.collectives import GradReduce
+from zero3.runtime.grad_shards import GradShards
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam
 
@@ -124,12 +125,14 @@ class GradientReducer:
         overlap: bool,
         predivide_factor: float = 1.0,
         prescale: bool = False,
+        grads: GradShards | None = None,
     ) -> None:
         world = reduce.mesh.shard_size
         total = sum(sp.padded_numel for sp in params)
         largest = max((sp.padded_numel for sp in params), default=0)
         self.capacity = bucket_capacity(total, largest, bucket_numel, world)
         self.reduce = reduce
+        self.grads = grads  # where landed shards are added (None: nothing is trained)
         self.world = world
         self.dtype = comm_dtype
         self.device = device
@@ -368,7 +371,8 @@ class GradientReducer:
             reduction.work.wait()
         self.reduce.finish(reduction.output)
         params = reduction.bucket.params
-        if params and params[0].grad_slot.view().device != reduction.output.device:  # type: ignore[union-attr]
+        assert self.grads is not None, "a gradient was reduced but nothing is trained"
+        if params and self.grads.buffer.device != reduction.output.device:
             # ZeRO-Offload keeps the gradients in host memory (see the Note).
             self._copy_to_host(reduction)
         else:
@@ -381,7 +385,8 @@ class GradientReducer:
 
     def _add(self, params: list[ShardedParam], output: torch.Tensor) -> None:
         """Accumulate a landed shard (the bucket's parameters, in order) into their gradient slots."""
-        destinations = [sp.grad_slot.view() for sp in params]  # type: ignore[union-attr]
+        assert self.grads is not None
+        destinations = self.grads.views(params)
         sources = output.split([sp.shard_numel for sp in params])
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
 

@@ -25,6 +25,7 @@ in memory, after the walk: see `step`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,9 @@ from zero3.comm import Communicator
 from zero3.config import OptimizerConfig
 from zero3.offload.disk import StepIOError
 from zero3.offload.optimizer_tier import OptimizerStates
-from zero3.partition.flat_buffer import FlatBuffer, Slot
+from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -50,6 +52,23 @@ class Piece:
     sp: ShardedParam
     start: int
     numel: int
+
+
+@dataclass
+class MasterSlots:
+    """One parameter's optimizer-side shards: its fp32 master and its moments."""
+
+    hp: Slot
+    moments: dict[str, Slot]
+
+
+# Each parameter's master slots, for the per-parameter accessors (zero3.safe_get_local_fp32_param, ...).
+_MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKeyDictionary()
+
+
+def master_slots(sp: ShardedParam) -> MasterSlots | None:
+    """The master and moments of `sp` in the optimizer that steps it; None if none does."""
+    return _MASTERS.get(sp)
 
 
 @dataclass
@@ -69,12 +88,11 @@ class ZeroOptimizer:
         config: OptimizerConfig,
         comm: Communicator,
         device: torch.device,
-        grad_dtype: torch.dtype,
+        grads: GradShards,
         sub_group_size: int,
         gradient_clipping: float,
         loss_scaler: LossScaler | DynamicLossScaler,
         make_states: Callable[[int, int], OptimizerStates],
-        grad_device: torch.device | None = None,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -88,10 +106,12 @@ class ZeroOptimizer:
         self.states = make_states(total, largest)
         self.hp_params = self.states.buffers["hp_params"]
         self.moments = {name: self.states.buffers[name] for name in MOMENTS}
-        # The reduced gradients, accumulated across micro-steps in grad_accum_dtype (the
-        # state keeps DeepSpeed's name `lp_grads` whatever that dtype is). Host memory with
-        # ZeRO-Offload (copied there as buckets land), else the device.
-        self.lp_grads = FlatBuffer.zeros("lp_grads", total, grad_dtype, grad_device or device)
+        # The reduced gradients (the engine's, laid out in this optimizer's order): accumulated across
+        # micro-steps in grad_accum_dtype; DeepSpeed's name `lp_grads` whatever that dtype is.
+        if grads.params != self.params:
+            raise ValueError("the gradient shards must be laid out in the optimizer's parameter order")
+        self.grads = grads
+        self.lp_grads = grads.buffer
         # The 16-bit shards could not all be written after a step: rewritten from the masters first thing.
         self.lp_stale = False
         self.lp_write_error: StepIOError | None = None
@@ -99,20 +119,25 @@ class ZeroOptimizer:
         self.sub_groups: list[SubGroup] = []
         self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] = {}
         torch_groups: list[dict[str, Any]] = []
+        # Each parameter's master and moments: this optimizer's own map (the parameter knows none of it).
+        self.masters: dict[ShardedParam, MasterSlots] = {}
         cursor = 0
         for sp in self.params:
-            sp.hp_slot = Slot(self.hp_params, cursor, sp.shard_numel)
-            sp.grad_slot = Slot(self.lp_grads, cursor, sp.shard_numel)
-            sp.optim_slots = {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}
+            slots = MasterSlots(
+                Slot(self.hp_params, cursor, sp.shard_numel),
+                {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()},
+            )
+            self.masters[sp] = slots
+            _MASTERS[sp] = slots
             assert sp.lp_slot is not None
-            sp.hp_slot.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
+            slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
             sp.hp_seed = None
+            sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
             cursor += sp.shard_numel
         for (_, options), runs in zip(groups, runs_by_group):
             group_masters: list[nn.Parameter] = []
             for run in runs:
-                first = run[0].sp.hp_slot
-                assert first is not None
+                first = self.masters[run[0].sp].hp
                 masters = [nn.Parameter(torch.empty(0, device=self.step_device)) for _ in run]
                 for piece, master in zip(run, masters):
                     self._masters_by_param.setdefault(piece.sp, []).append(master)
@@ -185,9 +210,7 @@ class ZeroOptimizer:
 
     # ---- gradients -----------------------------------------------------------
     def zero_grad(self) -> None:
-        self.lp_grads.tensor.zero_()
-        for sp in self.params:
-            sp.has_grad = False
+        self.grads.zero()
 
     def agree_on_gradients(self) -> torch.Tensor:
         """The global squared grad norm (still loss-scaled; inf/nan on overflow), as a tensor on the
@@ -201,9 +224,10 @@ class ZeroOptimizer:
         """
         squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
         if self.params:
-            agreed = self.comm.any_of_flags([sp.has_grad for sp in self.params])
+            arrived = self.grads.arrived
+            agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params])
             for sp, flag in zip(self.params, agreed):
-                sp.has_grad = flag
+                arrived[sp] = flag
         return squared[0]
 
     # ---- step ------------------------------------------------------------------
@@ -246,7 +270,8 @@ class ZeroOptimizer:
             coefficient = coefficient.to(self.step_device)
         if found_inf is not None:
             found_inf = found_inf.to(self.step_device)
-        idle = {i for i, sub in enumerate(self.sub_groups) if not any(piece.sp.has_grad for piece in sub.pieces)}
+        arrived = self.grads.arrived
+        idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
         counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
@@ -311,7 +336,7 @@ class ZeroOptimizer:
             self._bind(sub, window)
         cursor = 0
         for piece, master in zip(sub.pieces, sub.masters):
-            master.grad = grad[cursor : cursor + piece.numel] if piece.sp.has_grad else None
+            master.grad = grad[cursor : cursor + piece.numel] if self.grads.arrived[piece.sp] else None
             cursor += piece.numel
         self.optimizer.found_inf = found_inf
         self.optimizer.step()
@@ -349,6 +374,20 @@ class ZeroOptimizer:
             self._write_lp(sub, self.hp_params.read_range(sub.offset, sub.numel))
         self.lp_stale = False
 
+    def close(self) -> None:
+        """Free the tier's buffers and forget the parameters (the engine is being destroyed)."""
+        self.states.close()
+        self.optimizer.state.clear()
+        self.optimizer.param_groups.clear()
+        self.sub_groups.clear()
+        self.params.clear()
+        for sp, slots in self.masters.items():
+            if _MASTERS.get(sp) is slots:
+                del _MASTERS[sp]
+            if slots.hp in sp.followers:
+                sp.followers.remove(slots.hp)
+        self.masters.clear()
+
     def state_bytes(self) -> dict[str, int]:
         return {
             "hp_params": self.hp_params.nbytes,
@@ -362,8 +401,7 @@ NORM_CHUNK = 1 << 20
 
 def squared_norm(flat: torch.Tensor) -> torch.Tensor:
     """Sum of squares in fp32. A 16-bit buffer goes a cache-sized chunk at a time: a single
-    `vector_norm(dtype=float32)` casts the whole buffer to fp32 in memory (20 ms vs 3 ms for 9.5M
-    elements on this machine's CPU)."""
+    `vector_norm(dtype=float32)` casts the whole buffer to fp32 in memory first."""
     if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
         return torch.linalg.vector_norm(flat, 2, dtype=torch.float32).pow(2)
     norms = torch._foreach_norm(list(flat.split(NORM_CHUNK)), 2, dtype=torch.float32)

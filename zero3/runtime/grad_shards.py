@@ -1,0 +1,67 @@
+"""This rank's reduced gradient shards: the `lp_grads` state.
+
+One flat buffer (in `grad_accum_dtype`; host memory with ZeRO-Offload, else
+the device) with a slot per trained parameter, laid out in the optimizer's
+order, and which parameters got a gradient since the last step. The reducer
+adds landed shards into it, the optimizer steps from it and zeroes it; the
+engine builds it and hands it to both, so neither reaches into the other.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zero3.partition.flat_buffer import FlatBuffer, Slot
+from zero3.partition.sharded_param import ShardedParam
+
+# Each parameter's gradient shards, for the per-parameter accessors (zero3.safe_get_local_grad).
+_OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyDictionary()
+
+
+class GradShards:
+    def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> None:
+        self.params = params
+        self.buffer = FlatBuffer.zeros("lp_grads", sum(sp.shard_numel for sp in params), dtype, device)
+        self.slots: dict[ShardedParam, Slot] = {}
+        cursor = 0
+        for sp in params:
+            self.slots[sp] = Slot(self.buffer, cursor, sp.shard_numel)
+            cursor += sp.shard_numel
+            _OWNER[sp] = self
+        # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
+        self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
+
+    @staticmethod
+    def of(sp: ShardedParam) -> GradShards | None:
+        """The gradient shards that hold `sp`'s, if it is trained."""
+        return _OWNER.get(sp)
+
+    def __contains__(self, sp: ShardedParam) -> bool:
+        return sp in self.slots
+
+    def view(self, sp: ShardedParam) -> torch.Tensor:
+        return self.slots[sp].view()
+
+    def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
+        return [self.slots[sp].view() for sp in params]
+
+    def mark_arrived(self, sp: ShardedParam) -> None:
+        self.arrived[sp] = True
+
+    def any_arrived(self) -> bool:
+        return any(self.arrived.values())
+
+    def zero(self) -> None:
+        self.buffer.tensor.zero_()
+        for sp in self.arrived:
+            self.arrived[sp] = False
+
+    def close(self) -> None:
+        """Forget the parameters (the engine is being destroyed)."""
+        for sp in self.params:
+            if _OWNER.get(sp) is self:
+                del _OWNER[sp]
+        self.slots.clear()
+        self.arrived.clear()
