@@ -26,7 +26,7 @@ import torch
 
 from zero3 import accelerator
 from zero3.enums import OffloadDevice, OffloadStateType
-from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer, empty_host
+from zero3.offload.disk import DiskFile, FileIO, OffloadIOError, Transfer, empty_host
 from zero3.offload.host import HostBufferPool, HostTier
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
@@ -65,7 +65,7 @@ class StateOffloader:
     def __init__(
         self,
         device: torch.device,
-        disk: DiskTier,
+        disk: FileIO,
         pool: HostBufferPool,
         buffers: Callable[[OffloadStateType], list[FlatBuffer]],
         scratch: ScratchOwner,

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from zero3.offload.disk import DiskFile, DiskTier, StepIOError, Transfer
+from zero3.offload.disk import DiskFile, FileIO, StepIOError, Transfer
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import FlatBuffer
 
@@ -108,7 +108,7 @@ class DiskOptimizerStates:
     transactional = True
 
     def __init__(
-        self, numel: int, disk: DiskTier, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
+        self, numel: int, disk: FileIO, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
     ) -> None:
         self.disk = disk
         self.pool = pool
