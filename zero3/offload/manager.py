@@ -27,7 +27,7 @@ import torch
 from zero3 import accelerator
 from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import DiskFile, FileIO, OffloadIOError, Transfer, empty_host
-from zero3.offload.host import HostBufferPool, HostTier
+from zero3.offload.host import HostBufferPool, HostCopier
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 
@@ -81,7 +81,7 @@ class StateOffloader:
         # The background writes of the call that freed the scratch bucket: if they fail, it comes back too.
         self._scratch_freed_with: Transfer | None = None
         self.disk = disk  # shared with the tiers: the engine closes it
-        self.host = HostTier(device, pool)
+        self.host = HostCopier(device, pool)
 
     # ---- where things are ---------------------------------------------------
     def offloaded(self) -> list[OffloadStateType]:
