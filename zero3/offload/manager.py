@@ -29,7 +29,7 @@ from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import DiskFile, FileIO, OffloadIOError, Transfer, empty_host
 from zero3.offload.host import HostBufferPool, HostCopier
 from zero3.offload.report import StateReport
-from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
+from zero3.partition.flat_buffer import FlatBuffer
 
 log = logging.getLogger("zero3")
 
@@ -47,6 +47,18 @@ class ScratchOwner(Protocol):
     def allocate_scratch(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ParkedFile:
+    """The file a buffer is parked in, as the buffer reads it (`FlatBuffer.file`): element offsets."""
+
+    disk: FileIO
+    file: DiskFile
+    element_size: int
+
+    def read(self, offset: int, into: torch.Tensor) -> None:
+        self.disk.read_now(self.file, into, offset * self.element_size)
+
+
 @dataclass
 class _Parked:
     """One buffer's data away from its home device."""
@@ -57,6 +69,11 @@ class _Parked:
     file: DiskFile | None = None
     writing: Transfer | None = None  # a non-blocking disk write still finishing
     failed: list[BaseException] = field(default_factory=list)
+
+    def park_on_disk(self, disk: FileIO) -> None:
+        """Memory lets go of the buffer: its bytes are in the file (written, and not removed)."""
+        assert self.file is not None
+        self.buffer.park_in(ParkedFile(disk, self.file, self.buffer.dtype.itemsize), ON_DISK)
 
 
 class StateOffloader:
@@ -107,21 +124,6 @@ class StateOffloader:
         """Where `state` rests: moves in flight are waited for first."""
         self.settle()
         return {buffer.device for buffer in self._held(state)}
-
-    def read_parked(self, buffer: FlatBuffer, offset: int, into: torch.Tensor) -> None:
-        """Elements [offset, offset + into.numel()) of a buffer parked on disk, read from its file into
-        `into` (a contiguous host tensor of the buffer's dtype); the buffer stays parked.
-        Call `settle()` first: a write still finishing has no complete file yet."""
-        if into.dtype != buffer.dtype or into.device.type != "cpu" or not into.is_contiguous():
-            raise ValueError(
-                f"read_parked: expected a contiguous host {buffer.dtype} tensor, got {into.dtype} on {into.device}"
-            )
-        for entries in self._parked.values():
-            for entry in entries:
-                if entry.buffer is buffer and entry.file is not None and entry.writing is None:
-                    self.disk.read_now(entry.file, into, offset * into.element_size())
-                    return
-        raise StateOffloadedError(f"buffer {buffer.name!r} is not parked on disk (or its writes are still finishing)")
 
     def report(self) -> StateReport:
         self.settle()
@@ -241,7 +243,7 @@ class StateOffloader:
             # Runs once, when the last write of the whole call has ended (see the Note).
             if error is None:
                 for _, entry in entries:
-                    entry.buffer.release(ON_DISK)
+                    entry.park_on_disk(self.disk)
                 accelerator.release_host_memory()
                 return
             for _, entry in entries:
@@ -334,7 +336,7 @@ class StateOffloader:
         def complete() -> None:
             error = transfer.wait()
             if error is not None:
-                entry.buffer.release(ON_DISK)  # never expose a half-read buffer
+                entry.park_on_disk(self.disk)  # never expose a half-read buffer
                 assert entry.file is not None
                 raise OffloadIOError(
                     f"reading state {entry.buffer.state!r} back from {entry.file.path} failed: {error}. "
@@ -373,7 +375,7 @@ class StateOffloader:
             except OffloadIOError:
                 pass  # the failure being handled, or another buffer's: the caller raises one
             if entry.location is OffloadDevice.nvme:
-                entry.buffer.release(ON_DISK)
+                entry.park_on_disk(self.disk)
         self._parked[state] = entries
 
     # ---- teardown ---------------------------------------------------------------
