@@ -47,6 +47,8 @@ class OptimizerStates(Protocol):
     """The optimizer's fp32 state, wherever its tier keeps it."""
 
     buffers: dict[str, FlatBuffer]
+    # Where the step runs: the memory the visitor's windows are in.
+    step_device: torch.device
     # Whether a failed walk leaves the state as it was (the disk tier's two generations).
     transactional: bool
 
@@ -71,6 +73,7 @@ class MemoryOptimizerStates:
             )
             for name in STATE_NAMES
         }
+        self.step_device = self.buffers["hp_params"].device  # the step runs where the state is
 
     def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
         for index, (offset, numel) in enumerate(ranges):
@@ -112,6 +115,7 @@ class DiskOptimizerStates:
     ) -> None:
         self.disk = disk
         self.pool = pool
+        self.step_device = torch.device("cpu")  # the step runs in the host windows
         self.buffer_count = buffer_count
         self.window_numel = window_numel
         names = {f"{name}.{generation}": numel * FP32_BYTES for generation in "AB" for name in STATE_NAMES}
