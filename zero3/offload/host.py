@@ -1,18 +1,15 @@
 """Copies between the device and host memory, and the pool of reusable host buffers.
 
 [Note: host copies]
-With `pin_memory`, each buffer gets one page-locked host tensor the first
-time it is offloaded, kept and reused on every later cycle (pinning is slow
-and fragments host memory, so it is done once). Non-blocking copies run on a
-side stream that first waits for the compute stream; the source's memory is
-marked as used by that stream (`record_stream`) so the allocator cannot hand
-it out before the copy has read it; and the copy's event says when it has
-arrived. `copy_to_host` is that device-to-host copy, written once: parking
-(`HostCopier`) and ZeRO-Offload's gradients (the GradientReducer) use it. A
-parked buffer is given a completion that its first reader runs: a host read
-waits for the device-to-host copy's event, a device read makes the compute
-stream wait for the host-to-device one. On the CPU there is no side stream:
-copies are plain and synchronous.
+With `pin_memory`, each buffer's page-locked host tensor is made once and
+reused on every later cycle (pinning is slow and fragments host memory). A
+non-blocking device-to-host copy (`copy_to_host`, used by parking and by
+ZeRO-Offload's gradients) runs on a side stream that first waits for the
+current stream, marks the source's memory as used by the side stream
+(`record_stream`), and returns an event; on the CPU it is a plain copy. A
+parked buffer's first reader runs its completion: a host read waits for the
+copy's event, a device read makes the compute stream wait for the
+host-to-device copy's.
 """
 
 from __future__ import annotations

@@ -86,12 +86,12 @@ class StateOffloader:
         pool: HostBufferPool,
         buffers: Callable[[OffloadStateType], list[FlatBuffer]],
         scratch: ScratchOwner,
-        default_nvme_path: str | None,
+        default_disk_root: str | None,
     ) -> None:
         self.device = device
         self._buffers = buffers
         self._scratch = scratch
-        self._default_nvme_path = default_nvme_path
+        self._default_disk_root = default_disk_root
         self._parked: dict[OffloadStateType, list[_Parked]] = {}
         self._loading: dict[OffloadStateType, list[_Parked]] = {}
         self._scratch_freed = False
@@ -142,8 +142,9 @@ class StateOffloader:
         return StateReport(entries, homes, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
 
     # ---- offload ------------------------------------------------------------
-    def resolve_nvme_path(self, nvme_path: str | Path | None) -> Path:
-        path = nvme_path if nvme_path is not None else self._default_nvme_path
+    def disk_root(self, nvme_path: str | Path | None) -> Path:
+        """The directory `offload_states(device="nvme")` parks under: its `nvme_path`, else the config's."""
+        path = nvme_path if nvme_path is not None else self._default_disk_root
         if not path:
             raise ValueError(
                 "offload_states(device='nvme') needs a directory: pass nvme_path=... or set "
@@ -157,7 +158,7 @@ class StateOffloader:
         target: OffloadDevice,
         pin_memory: bool,
         non_blocking: bool,
-        nvme_path: Path | None,
+        root: Path | None,
         prepare: Callable[[set[OffloadStateType]], None],
     ) -> None:
         self.settle()
@@ -191,9 +192,9 @@ class StateOffloader:
                      _names(on_disk))
         files: dict[str, DiskFile] = {}
         if target is OffloadDevice.nvme and moving:
-            assert nvme_path is not None
+            assert root is not None
             # "parked-": the tiers keep their own files (lp_params.bin...) in the same directory.
-            files = self.disk.reserve(nvme_path, {f"parked-{b.name}": b.nbytes for bs in moving.values() for b in bs})
+            files = self.disk.reserve(root, {f"parked-{b.name}": b.nbytes for bs in moving.values() for b in bs})
         free_scratch = SCRATCH in states and SCRATCH not in away
         prepare(set(moving) | ({SCRATCH} if free_scratch else set()))
         writes: Transfer | None = None

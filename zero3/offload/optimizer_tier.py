@@ -9,17 +9,13 @@ tier streams windows through host memory.
 [Note: the disk walk]
 Each state has two files, generations A and B. A step reads every
 sub-group's window from the current generation and writes it, stepped, to
-the other: `buffer_count` windows rotate, so while sub-group i steps, the
-reads of i+1, i+2, ... are in flight ahead of it and the writes of i-1, ...
-finish behind it, each split into `aio.block_size` requests on the shared
-I/O threads. Only when every write has landed does the other generation
-become current. A disk that fails mid-step therefore loses nothing: the
-step raises, and the current generation still holds the state as it was
-before the step (the 16-bit gradients stay in memory and are never written:
-each sub-group's fp32 gradient is made from them just before it steps). The
-price is twice the optimizer state's bytes on disk, reserved up front. The
-windows (`buffer_count` x `sub_group_size` x 12 bytes) exist only during the
-walk: forward and backward get that host memory back.
+the other, through `buffer_count` rotating host windows: the reads of the
+next sub-groups run ahead and the writes of the last ones finish behind.
+Only when every write has landed does the other generation become current,
+so a disk that fails mid-step loses nothing: the step raises and the current
+generation still holds the state as before (the 16-bit gradients stay in
+memory). The price is twice the optimizer state's bytes on disk, reserved up
+front; the windows exist only during the walk.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The offload tiers from the config (ZeRO-Offload / ZeRO-Infinity): checked, then built.
 
 `offload_optimizer.device` puts the fp32 masters and moments on the host
-("cpu") or in files ("nvme"); `offload_param.device` puts the 16-bit shards
+("cpu") or in files ("nvme": any file); `offload_param.device` puts the 16-bit shards
 there. Everything a tier does with the disk goes through the one FileIO engine
 and the one HostBufferPool that parking (`offload_states`) uses too.
 """
@@ -121,7 +121,7 @@ def lay_out_params(
             disk, Path(tier.nvme_path), sum(unit.shard_numel for unit in on_disk), dtype, device,
             read_ahead=tier.buffer_count,
         )
-        buffers.append(disk_tier.adopt(on_disk, "lp_params:nvme"))
+        buffers.append(disk_tier.adopt(on_disk, "lp_params:disk"))
         for unit in on_disk:
             unit.source = disk_tier
     if device.type != "cpu":

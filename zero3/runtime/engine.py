@@ -571,7 +571,7 @@ class ZeroEngine:
         self._check_alive()
         states = parse_states(include)
         target = parse_offload_device(device)
-        root = self.offloader.resolve_nvme_path(nvme_path) if target is OffloadDevice.nvme else None
+        root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
         self._check_between_steps("offload_states")
         self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
 
