@@ -1,8 +1,10 @@
-"""The disk I/O layer: a rank's directories of state files and the threads that move their bytes.
+"""File I/O: a rank's directories of state files, and the engine that moves their bytes.
 
 Parking (`offload_states`) and the ZeRO-Infinity tiers use this one layer:
-one file format (a flat buffer's raw bytes, one file per buffer), one chunked
-reader and writer, one thread pool.
+one file format (a flat buffer's raw bytes, one file per buffer), one I/O
+engine. Callers type against `FileIO`; `ThreadPoolFileIO` is the engine
+today (a GPUDirect Storage engine would be another). "Disk" here is any
+file, NVMe or not.
 
 [Note: disk I/O]
 Each buffer is one file, reserved up front with `posix_fallocate` (so a full
@@ -13,13 +15,11 @@ many `pwrite`/`preadv` requests in flight, each a plain syscall that releases
 the GIL. A request may cover a range of a file (a tier reads one sub-group or
 one unit at a time). CPU tensors are written from, and read into, their own
 memory: no staging copy. Parked files are private scratch, not checkpoints:
-they are not fsynced, and are removed once read back (off the caller's path:
-unlinking a large file takes milliseconds).
+they are not fsynced, and are removed once read back, off the caller's path.
 
-A reload needs fresh memory, and faulting it in 4 KiB at a time costs more
-than reading the bytes from the page cache; `empty_host` maps it anonymously
-with transparent huge pages advised (2 MiB faults), which is also what lets a
-later offload hand it straight back to the OS.
+A reload needs fresh memory; `empty_host` maps it anonymously with
+transparent huge pages advised (2 MiB faults instead of 4 KiB ones), which
+also lets a later offload hand it straight back to the OS.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -151,7 +152,7 @@ class Transfer:
 
 
 class DiskFile:
-    """One parked buffer's file (its descriptor stays open until it is removed)."""
+    """One reserved file (a parked buffer's, or a tier's); its descriptor stays open until it is removed."""
 
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = path
@@ -172,8 +173,47 @@ class DiskFile:
         self.path.unlink(missing_ok=True)
 
 
-class DiskTier:
-    """This rank's directories under the users' nvme paths, and the I/O threads."""
+class FileIO(Protocol):
+    """What the offload code asks of an I/O engine: reserve files, move bytes between them and
+    contiguous host tensors, remove them.
+
+    `read`/`write` only submit: each returns the futures of its requests (a `Transfer` tracks them),
+    and `read_now`/`write_now` wait and raise the first failure. Offsets are in bytes. `directory`
+    is where parked states go (the latest root asked for); `bytes_read`/`bytes_written` count what
+    was asked of the disk (benchmarks read them).
+    """
+
+    directory: Path | None
+    bytes_read: int
+    bytes_written: int
+
+    def reserve(self, root: Path, files: dict[str, int], purpose: str = "offload") -> dict[str, DiskFile]:
+        """Create and reserve every file (name -> bytes) in this rank's directory under `root`, or none:
+        raises OffloadIOError."""
+        ...
+
+    def write(self, file: DiskFile, source: torch.Tensor, offset: int = 0) -> list[Future]: ...
+
+    def read(self, file: DiskFile, into: torch.Tensor, offset: int | None = None) -> list[Future]: ...
+
+    def write_now(self, file: DiskFile, source: torch.Tensor, offset: int = 0) -> None: ...
+
+    def read_now(self, file: DiskFile, into: torch.Tensor, offset: int = 0) -> None: ...
+
+    def discard(self, files: list[DiskFile]) -> None:
+        """Remove files in the background; `finish_removals` waits for them."""
+        ...
+
+    def finish_removals(self) -> None: ...
+
+    def close(self) -> None:
+        """Finish everything in flight and remove every file and directory this engine made."""
+        ...
+
+
+class ThreadPoolFileIO:
+    """The `FileIO` engine on a thread pool: `pwrite`/`preadv` in chunks (see [Note: disk I/O]),
+    and this rank's directories under the configured roots."""
 
     def __init__(self, rank: int, chunk_bytes: int = CHUNK_BYTES, threads: int = IO_THREADS) -> None:
         self.rank = rank

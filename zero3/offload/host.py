@@ -1,15 +1,15 @@
-"""The host tier: copies of device states in host memory.
+"""Copies between the device and host memory, and the pool of reusable host buffers.
 
 [Note: host copies]
-With `pin_memory`, each buffer gets one page-locked host tensor the first
-time it is offloaded, kept and reused on every later cycle (pinning is slow
-and fragments host memory, so it is done once). Non-blocking copies run on a
-side stream that first waits for the compute stream; the source's memory is
-marked as used by that stream (`record_stream`) so the allocator cannot hand
-it out before the copy has read it; and the buffer is given a completion
-that the first reader runs: a host read waits for the device-to-host copy's
-event, a device read makes the compute stream wait for the host-to-device one.
-On a CPU engine nothing here runs: the states already live in host memory.
+With `pin_memory`, each buffer's page-locked host tensor is made once and
+reused on every later cycle (pinning is slow and fragments host memory). A
+non-blocking device-to-host copy (`copy_to_host`, used by parking and by
+ZeRO-Offload's gradients) runs on a side stream that first waits for the
+current stream, marks the source's memory as used by the side stream
+(`record_stream`), and returns an event; on the CPU it is a plain copy. A
+parked buffer's first reader runs its completion: a host read waits for the
+copy's event, a device read makes the compute stream wait for the
+host-to-device copy's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,29 @@ from collections.abc import Callable
 import torch
 
 from zero3 import accelerator
+
+
+def copy_to_host(
+    source: torch.Tensor, host: torch.Tensor, stream: "torch.cuda.Stream | None", record_source: bool = True
+) -> "torch.cuda.Event | None":
+    """Copy `source` into `host` (a host tensor of its shape, pinned for an overlapped copy).
+
+    With a side `stream`: the stream waits for the current one (the copy goes behind the work that
+    made `source`), copies non-blocking, and, with `record_source`, marks `source`'s memory as used
+    by it; returns the event that marks the copy's arrival. Without one (the CPU, or a blocking
+    copy): a plain copy, done on return, and None.
+    """
+    if stream is None:
+        host.copy_(source)
+        return None
+    stream.wait_stream(torch.cuda.current_stream(source.device))
+    with torch.cuda.stream(stream):
+        host.copy_(source, non_blocking=True)
+        if record_source:
+            source.record_stream(stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return copied
 
 
 class HostBufferPool:
@@ -58,7 +81,9 @@ class HostBufferPool:
         self.buffers.clear()
 
 
-class HostTier:
+class HostCopier:
+    """Copies parked states between the device and host memory (see [Note: host copies])."""
+
     def __init__(self, device: torch.device, pool: HostBufferPool) -> None:
         self.device = device
         self.pool = pool
@@ -79,16 +104,8 @@ class HostTier:
     ) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """A host copy of a device tensor, and the completion a reader must run (None if done)."""
         host = self._host_tensor(name, source, pin)
-        if not non_blocking or self._stream is None:
-            host.copy_(source)
-            return host, None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            host.copy_(source, non_blocking=True)
-            source.record_stream(self._stream)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        return host, copied.synchronize
+        copied = copy_to_host(source, host, self._stream if non_blocking else None)
+        return host, copied.synchronize if copied is not None else None
 
     def to_device(self, host: torch.Tensor, non_blocking: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """A device copy of a host tensor, and the completion a reader must run (None if done)."""

@@ -26,10 +26,10 @@ import torch
 
 from zero3 import accelerator
 from zero3.enums import OffloadDevice, OffloadStateType
-from zero3.offload.disk import DiskFile, DiskTier, OffloadIOError, Transfer, empty_host
-from zero3.offload.host import HostBufferPool, HostTier
+from zero3.offload.disk import DiskFile, FileIO, OffloadIOError, Transfer, empty_host
+from zero3.offload.host import HostBufferPool, HostCopier
 from zero3.offload.report import StateReport
-from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
+from zero3.partition.flat_buffer import FlatBuffer
 
 log = logging.getLogger("zero3")
 
@@ -47,6 +47,18 @@ class ScratchOwner(Protocol):
     def allocate_scratch(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ParkedFile:
+    """The file a buffer is parked in, as the buffer reads it (`FlatBuffer.file`): element offsets."""
+
+    disk: FileIO
+    file: DiskFile
+    element_size: int
+
+    def read(self, offset: int, into: torch.Tensor) -> None:
+        self.disk.read_now(self.file, into, offset * self.element_size)
+
+
 @dataclass
 class _Parked:
     """One buffer's data away from its home device."""
@@ -58,6 +70,11 @@ class _Parked:
     writing: Transfer | None = None  # a non-blocking disk write still finishing
     failed: list[BaseException] = field(default_factory=list)
 
+    def park_on_disk(self, disk: FileIO) -> None:
+        """Memory lets go of the buffer: its bytes are in the file (written, and not removed)."""
+        assert self.file is not None
+        self.buffer.park_in(ParkedFile(disk, self.file, self.buffer.dtype.itemsize), ON_DISK)
+
 
 class StateOffloader:
     """Moves this rank's states between the device, host memory and disk. No collectives."""
@@ -65,23 +82,23 @@ class StateOffloader:
     def __init__(
         self,
         device: torch.device,
-        disk: DiskTier,
+        disk: FileIO,
         pool: HostBufferPool,
         buffers: Callable[[OffloadStateType], list[FlatBuffer]],
         scratch: ScratchOwner,
-        default_nvme_path: str | None,
+        default_disk_root: str | None,
     ) -> None:
         self.device = device
         self._buffers = buffers
         self._scratch = scratch
-        self._default_nvme_path = default_nvme_path
+        self._default_disk_root = default_disk_root
         self._parked: dict[OffloadStateType, list[_Parked]] = {}
         self._loading: dict[OffloadStateType, list[_Parked]] = {}
         self._scratch_freed = False
         # The background writes of the call that freed the scratch bucket: if they fail, it comes back too.
         self._scratch_freed_with: Transfer | None = None
         self.disk = disk  # shared with the tiers: the engine closes it
-        self.host = HostTier(device, pool)
+        self.host = HostCopier(device, pool)
 
     # ---- where things are ---------------------------------------------------
     def offloaded(self) -> list[OffloadStateType]:
@@ -108,21 +125,6 @@ class StateOffloader:
         self.settle()
         return {buffer.device for buffer in self._held(state)}
 
-    def read_parked(self, buffer: FlatBuffer, offset: int, into: torch.Tensor) -> None:
-        """Elements [offset, offset + into.numel()) of a buffer parked on disk, read from its file into
-        `into` (a contiguous host tensor of the buffer's dtype); the buffer stays parked.
-        Call `settle()` first: a write still finishing has no complete file yet."""
-        if into.dtype != buffer.dtype or into.device.type != "cpu" or not into.is_contiguous():
-            raise ValueError(
-                f"read_parked: expected a contiguous host {buffer.dtype} tensor, got {into.dtype} on {into.device}"
-            )
-        for entries in self._parked.values():
-            for entry in entries:
-                if entry.buffer is buffer and entry.file is not None and entry.writing is None:
-                    self.disk.read_now(entry.file, into, offset * into.element_size())
-                    return
-        raise StateOffloadedError(f"buffer {buffer.name!r} is not parked on disk (or its writes are still finishing)")
-
     def report(self) -> StateReport:
         self.settle()
         entries: dict[str, dict[str, int]] = {}
@@ -140,8 +142,9 @@ class StateOffloader:
         return StateReport(entries, homes, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
 
     # ---- offload ------------------------------------------------------------
-    def resolve_nvme_path(self, nvme_path: str | Path | None) -> Path:
-        path = nvme_path if nvme_path is not None else self._default_nvme_path
+    def disk_root(self, nvme_path: str | Path | None) -> Path:
+        """The directory `offload_states(device="nvme")` parks under: its `nvme_path`, else the config's."""
+        path = nvme_path if nvme_path is not None else self._default_disk_root
         if not path:
             raise ValueError(
                 "offload_states(device='nvme') needs a directory: pass nvme_path=... or set "
@@ -155,7 +158,7 @@ class StateOffloader:
         target: OffloadDevice,
         pin_memory: bool,
         non_blocking: bool,
-        nvme_path: Path | None,
+        root: Path | None,
         prepare: Callable[[set[OffloadStateType]], None],
     ) -> None:
         self.settle()
@@ -189,9 +192,9 @@ class StateOffloader:
                      _names(on_disk))
         files: dict[str, DiskFile] = {}
         if target is OffloadDevice.nvme and moving:
-            assert nvme_path is not None
+            assert root is not None
             # "parked-": the tiers keep their own files (lp_params.bin...) in the same directory.
-            files = self.disk.reserve(nvme_path, {f"parked-{b.name}": b.nbytes for bs in moving.values() for b in bs})
+            files = self.disk.reserve(root, {f"parked-{b.name}": b.nbytes for bs in moving.values() for b in bs})
         free_scratch = SCRATCH in states and SCRATCH not in away
         prepare(set(moving) | ({SCRATCH} if free_scratch else set()))
         writes: Transfer | None = None
@@ -241,7 +244,7 @@ class StateOffloader:
             # Runs once, when the last write of the whole call has ended (see the Note).
             if error is None:
                 for _, entry in entries:
-                    entry.buffer.release(ON_DISK)
+                    entry.park_on_disk(self.disk)
                 accelerator.release_host_memory()
                 return
             for _, entry in entries:
@@ -334,7 +337,7 @@ class StateOffloader:
         def complete() -> None:
             error = transfer.wait()
             if error is not None:
-                entry.buffer.release(ON_DISK)  # never expose a half-read buffer
+                entry.park_on_disk(self.disk)  # never expose a half-read buffer
                 assert entry.file is not None
                 raise OffloadIOError(
                     f"reading state {entry.buffer.state!r} back from {entry.file.path} failed: {error}. "
@@ -373,7 +376,7 @@ class StateOffloader:
             except OffloadIOError:
                 pass  # the failure being handled, or another buffer's: the caller raises one
             if entry.location is OffloadDevice.nvme:
-                entry.buffer.release(ON_DISK)
+                entry.park_on_disk(self.disk)
         self._parked[state] = entries
 
     # ---- teardown ---------------------------------------------------------------

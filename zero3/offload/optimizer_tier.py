@@ -9,17 +9,13 @@ tier streams windows through host memory.
 [Note: the disk walk]
 Each state has two files, generations A and B. A step reads every
 sub-group's window from the current generation and writes it, stepped, to
-the other: `buffer_count` windows rotate, so while sub-group i steps, the
-reads of i+1, i+2, ... are in flight ahead of it and the writes of i-1, ...
-finish behind it, each split into `aio.block_size` requests on the shared
-I/O threads. Only when every write has landed does the other generation
-become current. A disk that fails mid-step therefore loses nothing: the
-step raises, and the current generation still holds the state as it was
-before the step (the 16-bit gradients stay in memory and are never written:
-each sub-group's fp32 gradient is made from them just before it steps). The
-price is twice the optimizer state's bytes on disk, reserved up front. The
-windows (`buffer_count` x `sub_group_size` x 12 bytes) exist only during the
-walk: forward and backward get that host memory back.
+the other, through `buffer_count` rotating host windows: the reads of the
+next sub-groups run ahead and the writes of the last ones finish behind.
+Only when every write has landed does the other generation become current,
+so a disk that fails mid-step loses nothing: the step raises and the current
+generation still holds the state as before (the 16-bit gradients stay in
+memory). The price is twice the optimizer state's bytes on disk, reserved up
+front; the windows exist only during the walk.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from zero3.offload.disk import DiskFile, DiskTier, StepIOError, Transfer
+from zero3.offload.disk import DiskFile, FileIO, StepIOError, Transfer
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import FlatBuffer
 
@@ -47,6 +43,8 @@ class OptimizerStates(Protocol):
     """The optimizer's fp32 state, wherever its tier keeps it."""
 
     buffers: dict[str, FlatBuffer]
+    # Where the step runs: the memory the visitor's windows are in.
+    step_device: torch.device
     # Whether a failed walk leaves the state as it was (the disk tier's two generations).
     transactional: bool
 
@@ -71,6 +69,7 @@ class MemoryOptimizerStates:
             )
             for name in STATE_NAMES
         }
+        self.step_device = self.buffers["hp_params"].device  # the step runs where the state is
 
     def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
         for index, (offset, numel) in enumerate(ranges):
@@ -108,10 +107,11 @@ class DiskOptimizerStates:
     transactional = True
 
     def __init__(
-        self, numel: int, disk: DiskTier, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
+        self, numel: int, disk: FileIO, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
     ) -> None:
         self.disk = disk
         self.pool = pool
+        self.step_device = torch.device("cpu")  # the step runs in the host windows
         self.buffer_count = buffer_count
         self.window_numel = window_numel
         names = {f"{name}.{generation}": numel * FP32_BYTES for generation in "AB" for name in STATE_NAMES}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from zero3.offload.disk import DiskFile, DiskTier, Transfer
+from zero3.offload.disk import DiskFile, FileIO, Transfer
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.unit import GatherUnit
 
@@ -40,7 +40,7 @@ class DiskShardTier:
     """The on-disk part of the 16-bit shards: the file store, the unit source, the reads ahead."""
 
     def __init__(
-        self, disk: DiskTier, root: Path, numel: int, dtype: torch.dtype, device: torch.device, read_ahead: int,
+        self, disk: FileIO, root: Path, numel: int, dtype: torch.dtype, device: torch.device, read_ahead: int,
     ) -> None:
         self.disk = disk
         self.dtype = dtype

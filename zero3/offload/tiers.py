@@ -1,9 +1,9 @@
 """The offload tiers from the config (ZeRO-Offload / ZeRO-Infinity): checked, then built.
 
 `offload_optimizer.device` puts the fp32 masters and moments on the host
-("cpu") or in files ("nvme"); `offload_param.device` puts the 16-bit shards
-there. Everything a tier does with the disk goes through the one DiskTier and
-the one HostBufferPool that parking (`offload_states`) uses too.
+("cpu") or in files ("nvme": any file); `offload_param.device` puts the 16-bit shards
+there. Everything a tier does with the disk goes through the one FileIO engine
+and the one HostBufferPool that parking (`offload_states`) uses too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from zero3 import accelerator
 from zero3.config import Zero3Config
-from zero3.offload.disk import DiskTier
+from zero3.offload.disk import FileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.optimizer_tier import STATE_NAMES, DiskOptimizerStates, MemoryOptimizerStates, OptimizerStates
 from zero3.offload.param_tier import DiskShardTier, HostShardSource, split_units
@@ -101,7 +101,7 @@ class ParamLayout:
 
 
 def lay_out_params(
-    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, device: torch.device, disk: DiskTier,
+    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, device: torch.device, disk: FileIO,
 ) -> ParamLayout:
     tier = config.zero_optimization.offload_param
     if tier.device == "none":
@@ -121,7 +121,7 @@ def lay_out_params(
             disk, Path(tier.nvme_path), sum(unit.shard_numel for unit in on_disk), dtype, device,
             read_ahead=tier.buffer_count,
         )
-        buffers.append(disk_tier.adopt(on_disk, "lp_params:nvme"))
+        buffers.append(disk_tier.adopt(on_disk, "lp_params:disk"))
         for unit in on_disk:
             unit.source = disk_tier
     if device.type != "cpu":
@@ -132,7 +132,7 @@ def lay_out_params(
 
 
 def optimizer_states(
-    config: Zero3Config, device: torch.device, disk: DiskTier, pool: HostBufferPool,
+    config: Zero3Config, device: torch.device, disk: FileIO, pool: HostBufferPool,
 ) -> Callable[[int, int], OptimizerStates]:
     """How the optimizer makes its fp32 states, given (total elements, largest sub-group)."""
     tier = config.zero_optimization.offload_optimizer

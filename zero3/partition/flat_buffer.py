@@ -19,7 +19,10 @@ memory ("cpu"), or a file ("nvme", ZeRO-Infinity). A buffer whose home is a
 file has no tensor at all: its `store` reads and writes ranges of the file,
 and whoever needs the data in memory (the optimizer's sub-group windows, a
 unit's shard before its all-gather) reads a range. `Slot.read`/`Slot.write`
-work wherever the data is; `Slot.view` only where it is in memory.
+work wherever the tier keeps the data; `Slot.view` only where it is in memory.
+A buffer parked on disk by `offload_states` is not in use (those raise), but
+`file` names the file that holds its bytes either way (its home file, or the
+one it is parked in), and `read_into` reads a range from wherever it is.
 """
 
 from __future__ import annotations
@@ -35,10 +38,15 @@ class StateOffloadedError(RuntimeError):
     """A state was used while it is offloaded (call `engine.reload_states()` first)."""
 
 
-class BackingStore(Protocol):
-    """A file that holds a buffer whose home is disk (supplied by zero3.offload). Offsets in elements."""
+class FileReader(Protocol):
+    """A file that holds a buffer's bytes (supplied by zero3.offload). Offsets in elements; `into` is
+    a contiguous host tensor of the buffer's dtype."""
 
     def read(self, offset: int, into: torch.Tensor) -> None: ...
+
+
+class BackingStore(FileReader, Protocol):
+    """The file a buffer whose home is disk lives in: read and written in place."""
 
     def write(self, offset: int, source: torch.Tensor) -> None: ...
 
@@ -58,6 +66,7 @@ class FlatBuffer:
         # Where the tier keeps it (see [Note: buffer homes]); a file's store when that is disk.
         self.home = str(tensor.device)
         self.store: BackingStore | None = None
+        self._parked_in: FileReader | None = None  # the file offload_states parked it in
 
     @classmethod
     def zeros(
@@ -86,18 +95,49 @@ class FlatBuffer:
         """Point the buffer at new storage, optionally still being filled (see the Note)."""
         self.tensor = value
         self._complete = on_complete
+        self._parked_in = None
 
     def release(self, because: str) -> None:
         """Drop the storage, keeping shape and dtype; reads raise, naming `because`."""
         self._tensor = torch.empty(self._tensor.shape, dtype=self._tensor.dtype, device="meta")
         self._complete = None
         self._released_because = because
+        self._parked_in = None
+
+    def park_in(self, file: FileReader, because: str) -> None:
+        """Drop the storage: its bytes are in `file` now (the caller wrote them there). Uses raise,
+        naming `because`; `read_into` reads them from the file."""
+        self.release(because)
+        self._parked_in = file
 
     def keep_in(self, store: BackingStore, because: str) -> None:
         """Make a file the buffer's home: memory holds none of it from now on (the caller wrote it there)."""
         self.release(because)
         self.store = store
         self.home = "nvme"
+
+    @property
+    def file(self) -> FileReader | None:
+        """The file that holds the bytes while memory holds none of them: the home file of a disk tier,
+        or the file `offload_states` parked the buffer in. None while they are in memory (or freed)."""
+        if not self._tensor.is_meta:
+            return None
+        return self.store if self.store is not None else self._parked_in
+
+    def read_into(self, offset: int, into: torch.Tensor) -> None:
+        """Elements [offset, offset + into.numel()) into `into`, from wherever they are: memory (any
+        `into`), or the file in `file` (`into` a contiguous host tensor of this dtype). Nothing moves."""
+        self.wait()
+        file = self.file
+        if file is None:
+            into.copy_(self.view(offset, into.numel()))  # raises if freed
+            return
+        if into.dtype != self.dtype or into.device.type != "cpu" or not into.is_contiguous():
+            raise ValueError(
+                f"reading buffer {self.name!r} from its file needs a contiguous host {self.dtype} tensor, "
+                f"got {into.dtype} on {into.device}"
+            )
+        file.read(offset, into)
 
     def read_range(self, offset: int, numel: int) -> torch.Tensor:
         """Elements [offset, offset+numel): a view when in memory, a fresh host copy when on its file."""

@@ -19,7 +19,7 @@ from zero3.checkpoint import weights as checkpoint_weights
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
-from zero3.offload.disk import DiskTier
+from zero3.offload.disk import ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
@@ -95,7 +95,7 @@ class ZeroEngine:
         groups = self._optimizer_groups(model, model_parameters) if config.optimizer is not None else []
 
         # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
-        self.disk = DiskTier(self.global_rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
+        self.disk = ThreadPoolFileIO(self.global_rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
         self.host_pool = HostBufferPool(device)
         trainable = [sp for sps, _ in groups for sp in sps]
         trainable_numel = sum(sp.shard_numel for sp in trainable)
@@ -604,7 +604,7 @@ class ZeroEngine:
         self._check_alive()
         states = parse_states(include)
         target = parse_offload_device(device)
-        root = self.offloader.resolve_nvme_path(nvme_path) if target is OffloadDevice.nvme else None
+        root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
         self._check_between_steps("offload_states")
         self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
 

@@ -14,13 +14,14 @@ fresh buffer per parameter could briefly overlap the last one, which a
 collective's worker thread may still be letting go of.) Reusing the buffer is
 why a yielded tensor is valid only until the next one is asked for.
 
-The shard is read from wherever `lp_params` is, without moving the state:
-the flat buffer on the device or in host memory (the offload_param cpu tier,
-or parked by `offload_states(device="cpu")`), the tier's file (offload_param
-nvme), or the file `offload_states(device="nvme")` parked it in. Only the one
-parameter's range is read, straight into its chunk when it needs no cast and
-no device copy (else through host pieces of at most STAGING_BYTES); the state
-stays parked and `state_report()` does not change.
+The shard is read from wherever `lp_params` is, without moving the state
+(`FlatBuffer.read_into`): the flat buffer on the device or in host memory (the
+offload_param cpu tier, or parked by `offload_states(device="cpu")`), or the
+file that holds it (the offload_param disk tier's, or the one
+`offload_states(device="nvme")` parked it in). Only the one parameter's range
+is read, straight into its chunk when it needs no cast and no device copy
+(else through host pieces of at most STAGING_BYTES); the state stays parked
+and `state_report()` does not change.
 
 `dtype` is applied to the shard before the gather: a cast is elementwise, so
 it gives the values a cast of the whole would, and the gathered buffer is
@@ -39,7 +40,7 @@ from torch import nn
 
 from zero3.comm import Communicator
 from zero3.partition.collectives import ParamGather
-from zero3.partition.flat_buffer import FlatBuffer, Slot
+from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, require_sharded
 
 
@@ -51,8 +52,6 @@ class ParkedStates(Protocol):
     """Where `offload_states` put the states (the StateOffloader)."""
 
     def settle(self) -> None: ...
-
-    def read_parked(self, buffer: FlatBuffer, offset: int, into: torch.Tensor) -> None: ...
 
 
 def stream(
@@ -131,12 +130,12 @@ def _gathered(
     parked.settle()  # background offload writes or reloads land first: each buffer is where it says
     output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device)
     for name, sp in chosen:
-        yield name, _whole(sp, gather, parked, output)
+        yield name, _whole(sp, gather, output)
     del output
     Communicator.forget_released()  # the collectives' aliases of the buffer go with it
 
 
-def _whole(sp: ShardedParam, gather: ParamGather, parked: ParkedStates, output: _GatherBuffer) -> torch.Tensor:
+def _whole(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torch.Tensor:
     """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
     slot = sp.lp_slot
     assert slot is not None, f"parameter {sp.name} has no shard storage"
@@ -146,30 +145,20 @@ def _whole(sp: ShardedParam, gather: ParamGather, parked: ParkedStates, output: 
         return slot.view()[: sp.numel].view(sp.shape)  # a shard group of one: the shard is the parameter
     full = output.take(sp.padded_numel)
     own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
-    _read_shard(slot, own, parked)
+    _read_shard(slot, own)
     if sp.shard_numel > 0:
         gather.gather(own, full)  # in place: this rank's shard already sits in its chunk
     return full[: sp.numel].view(sp.shape)
 
 
-def _read_shard(slot: Slot, into: torch.Tensor, parked: ParkedStates) -> None:
+def _read_shard(slot: Slot, into: torch.Tensor) -> None:
     """This rank's shard of one parameter into `into` (cast to its dtype), from wherever it lives."""
     buffer = slot.buffer
-    if not buffer.parked:
-        into.copy_(slot.view())  # on the device, or in host memory (a tier, or parked on the host)
-        return
-
-    def read(offset: int, values: torch.Tensor) -> None:
-        if buffer.store is not None:
-            buffer.store.read(offset, values)  # the offload_param nvme tier's own file
-        else:
-            parked.read_parked(buffer, offset, values)  # the file offload_states(device="nvme") wrote
-
-    if into.device.type == "cpu" and into.dtype == buffer.dtype:
-        read(slot.offset, into)  # straight into its place
+    if buffer.file is None or (into.device.type == "cpu" and into.dtype == buffer.dtype):
+        buffer.read_into(slot.offset, into)  # from memory, or from its file straight into its place
         return
     step = max(1, STAGING_BYTES // buffer.dtype.itemsize)  # a cast, or a device: through bounded host pieces
     for start in range(0, slot.numel, step):
         staging = torch.empty(min(step, slot.numel - start), dtype=buffer.dtype)
-        read(slot.offset + start, staging)
+        buffer.read_into(slot.offset + start, staging)
         into[start : start + staging.numel()].copy_(staging)

@@ -55,10 +55,11 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
+from zero3.offload.host import copy_to_host
 from zero3.partition.collectives import GradReduce
-from zero3.runtime.grad_shards import GradShards
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.grad_shards import GradShards
 
 
 # A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
@@ -395,17 +396,13 @@ class GradientReducer:
         output = reduction.output
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-        # After work.wait() the reduction is ordered on the current stream: the copy goes behind it.
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         staged = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
-        with torch.cuda.stream(self._copy_stream):
-            staged.copy_(output, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._copy_stream)
+        # After work.wait() the reduction is ordered on the current stream: the copy goes behind it. A slot is
+        # kept until its copy's event (below); a fresh buffer's memory outlives the copy by record_stream.
+        copied = copy_to_host(output, staged, self._copy_stream, record_source=reduction.slot is None)
+        assert copied is not None  # a side stream's copy always has an event
         if reduction.slot is not None:
             self._slot_copy[reduction.slot] = copied
-        else:
-            output.record_stream(self._copy_stream)  # a fresh buffer's memory outlives the copy
         self._arriving.append(_HostArrival(copied, staged, reduction.bucket.params))
         self._add_arrived(block=False)
 

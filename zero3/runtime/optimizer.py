@@ -170,8 +170,8 @@ class ZeroOptimizer:
 
     @property
     def step_device(self) -> torch.device:
-        """Where the step runs: where the tier keeps the masters (the host for a disk tier)."""
-        return torch.device("cpu") if self.hp_params.home == "nvme" else torch.device(self.hp_params.home)
+        """Where the step runs, as the optimizer-state tier declares it (the host for a disk tier)."""
+        return self.states.step_device
 
     # [Note: master views]
     # Torch's optimizer holds tensors, not slots: each master is a view of
