@@ -266,7 +266,7 @@ def released_on_return(rank: int, world: int, root: str) -> dict:
     late = 0
     for _ in range(20):
         # Each buffer's storage, held here only: once the call returns, nothing else may hold it.
-        held = [buffer.tensor.untyped_storage() for buffer in engine._state_buffers(OffloadStateType.optim_states)]
+        held = [buffer.tensor.untyped_storage() for buffer in engine.parts.state_buffers(OffloadStateType.optim_states)]
         engine.offload_states(include=[OffloadStateType.optim_states], device="nvme", nvme_path=root)
         late += sum(torch._C._storage_Use_Count(storage._cdata) > 1 for storage in held)
         del held

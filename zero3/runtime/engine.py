@@ -19,24 +19,14 @@ from zero3.checkpoint import weights as checkpoint_weights
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
-from zero3.offload.disk import ThreadPoolFileIO
-from zero3.offload.host import HostBufferPool
-from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
-from zero3.offload.tiers import check_free_space, check_tiers, disk_needs, grad_device, lay_out_params, optimizer_states
-from zero3.partition import param_dict
-from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
-from zero3.partition.collectives import GradReduce, ParamGather
+from zero3.offload.tiers import check_tiers
+from zero3.partition.flat_buffer import StateOffloadedError
+from zero3.partition.collectives import ParamGather
 from zero3.partition.mesh import ShardMesh
-from zero3.partition.partitioner import Partitioner, build_units
-from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
-from zero3.runtime.coordinator import ParamCoordinator
-from zero3.runtime.grad_reducer import GradientReducer
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.loss_scaler import build_loss_scaler
 from zero3.runtime.lr_schedules import build_lr_scheduler
-from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.runtime.build import build
 from zero3.runtime.timers import StepTimers
 
 log = logging.getLogger("zero3")
@@ -87,64 +77,16 @@ class ZeroEngine:
                 log.warning("%s", message)
 
         comm.open_side_groups()
-        self._partition(model)
-        self.units, module_units, self.persistent_unit = build_units(
-            model, self.gather, zc.stage3_param_persistence_threshold
+        self.parts = build(model, config, comm, self.gather, device, model_parameters, self.global_rank)
+        parts = self.parts
+        self.units, self.persistent_unit, self.sharded_params = parts.units, parts.persistent_unit, parts.sharded_params
+        self.disk, self.host_pool, self.lp_buffers, self.param_disk = (
+            parts.disk, parts.host_pool, parts.lp_buffers, parts.param_disk
         )
-        self.sharded_params = [sp for unit in self.all_units for sp in unit.params]
-        groups = self._optimizer_groups(model, model_parameters) if config.optimizer is not None else []
-
-        # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
-        self.disk = ThreadPoolFileIO(self.global_rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
-        self.host_pool = HostBufferPool(device)
-        trainable = [sp for sps, _ in groups for sp in sps]
-        trainable_numel = sum(sp.shard_numel for sp in trainable)
-        check_free_space(disk_needs(config, self.all_units, self.compute_dtype, trainable_numel))
-        layout = lay_out_params(config, self.all_units, self.compute_dtype, device, self.disk)
-        self.lp_buffers = layout.buffers
-        self.param_disk = layout.disk_tier
-
-        # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
-        self.grads = (
-            GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
-            if config.optimizer is not None else None
+        self.grads, self.reducer, self.loss_scaler, self.optimizer = (
+            parts.grads, parts.reducer, parts.loss_scaler, parts.optimizer
         )
-        self.reducer = GradientReducer(
-            GradReduce(mesh, comm), trainable, config.communication_dtype, device,
-            zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients,
-            self.grads,
-        )
-        self.loss_scaler = build_loss_scaler(config.fp16)
-        self.optimizer: ZeroOptimizer | None = None
-        if config.optimizer is not None:
-            sub_group_size = zc.sub_group_size
-            if zc.offload_optimizer.device == OffloadDevice.none:
-                # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
-                # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
-                scratch_bytes = self.reducer.scratch_numel() * self.reducer.dtype.itemsize
-                sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
-            self.optimizer = ZeroOptimizer(
-                groups, config.optimizer, comm, device, self.grads, sub_group_size,  # type: ignore[arg-type]
-                config.gradient_clipping, self.loss_scaler, optimizer_states(config, device, self.disk, self.host_pool),
-            )
-        for sp in self.sharded_params:
-            sp.hp_seed = None  # frozen parameters keep no master
-
-        if self.optimizer is not None:
-            # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
-            self.optimizer.borrow_scratch = self.reducer.idle_scratch
-        self.coordinator = ParamCoordinator(
-            model, self.units, module_units, comm, mesh, zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters,
-            self.persistent_unit, self.grads,
-        )
-        self.offloader = StateOffloader(
-            device, self.disk, self.host_pool, self._state_buffers, self.reducer,
-            zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
-        )
-        self.coordinator.install()
-        self._grad_hook_handles = self._install_grad_hooks()
-        if self.persistent_unit is not None:
-            self.persistent_unit.unshard()
+        self.coordinator, self.offloader = parts.coordinator, parts.offloader
 
         self.lr_scheduler = None
         if self.optimizer is not None:
@@ -161,95 +103,9 @@ class ZeroEngine:
         self._pending_checkpoint: Future[Any] | None = None
         self._destroyed = False
 
-    # ---- construction ------------------------------------------------------------
-    def _partition(self, model: nn.Module) -> None:
-        """Partition what zero3.Init did not, move buffers, and name every parameter."""
-        partitioner = Partitioner(self.gather, self.device, self.compute_dtype)
-        for name, module in model.named_modules():
-            partitioner.partition_module(module, name)
-            for key, buf in module._buffers.items():
-                if buf is not None and buf.device != self.device:
-                    module._buffers[key] = buf.to(self.device)
-        for name, param in model.named_parameters():
-            sp = sharded(param)
-            assert sp is not None
-            sp.name = name
-            if sp.dtype != self.compute_dtype or sp.placeholder.device != self.device:
-                raise ValueError(
-                    f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
-                    f"computes in {self.compute_dtype} on {self.device}: pass the same config to zero3.Init"
-                )
-
     @property
     def all_units(self) -> list[GatherUnit]:
-        return self.units + ([self.persistent_unit] if self.persistent_unit is not None else [])
-
-    def _optimizer_groups(
-        self, model: nn.Module, model_parameters: Iterable[Any] | None
-    ) -> list[tuple[list[ShardedParam], dict[str, Any]]]:
-        entries = list(model_parameters) if model_parameters is not None else list(model.parameters())
-        if entries and all(isinstance(e, dict) for e in entries):
-            raw_groups = [(list(e["params"]), {k: v for k, v in e.items() if k != "params"}) for e in entries]
-        elif all(isinstance(e, torch.Tensor) for e in entries):
-            raw_groups = [(entries, {})]
-        else:
-            raise TypeError("model_parameters must be parameters or parameter-group dicts with a 'params' key")
-        owned = {id(sp.param) for sp in self.sharded_params}
-        seen: set[int] = set()
-        groups: list[tuple[list[ShardedParam], dict[str, Any]]] = []
-        for params, options in raw_groups:
-            sps: list[ShardedParam] = []
-            for param in params:
-                if id(param) not in owned:
-                    raise ValueError(
-                        f"model_parameters holds a tensor of shape {tuple(param.shape)} that is not a parameter of the model"
-                    )
-                if id(param) in seen or not param.requires_grad:
-                    continue
-                seen.add(id(param))
-                sps.append(sharded(param))  # type: ignore[arg-type]
-            groups.append((sps, options))
-        return groups
-
-    def _install_grad_hooks(self) -> list[Any]:
-        handles = []
-        for sp in self.sharded_params:
-            if not sp.param.requires_grad:
-                continue
-            proxy = torch.empty(1, dtype=sp.dtype, device=self.device).expand(sp.shape)
-            handles.append(sp.param.register_hook(self._make_pre_accumulate(sp, proxy)))
-            handles.append(sp.param.register_post_accumulate_grad_hook(self._make_post_accumulate(sp)))
-        return handles
-
-    def _make_pre_accumulate(self, sp: ShardedParam, proxy: torch.Tensor):
-        def hook(grad: torch.Tensor) -> None:
-            # Autograd accumulates into a tensor of the parameter's shape; a
-            # released parameter gets a storage-free stand-in of that shape.
-            if sp.unit is not None and sp.unit.state is not UnitState.UNSHARDED:
-                sp.param.data = proxy
-            return None
-
-        return hook
-
-    def _make_post_accumulate(self, sp: ShardedParam):
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            param.grad = None
-            unit = sp.unit
-            assert unit is not None
-            if unit.state is UnitState.SHARDED:
-                sp.set_released()
-            if grad is None:
-                return
-            if self.grads is None or sp not in self.grads:
-                log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
-            else:
-                self._begin_backward()  # no-op unless a plain loss.backward() runs outside engine.backward
-                self.grads.mark_arrived(sp)
-                self.reducer.add(sp, grad)
-            self.coordinator.grad_arrived(unit)
-
-        return hook
+        return self.parts.all_units
 
     # ---- training API -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -287,27 +143,12 @@ class ZeroEngine:
         factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self.timers.phase("backward"):
-            self._begin_backward()
+            self.parts.backward.begin()
             try:
                 scaled.backward(retain_graph=retain_graph)
             finally:
-                self._finish_backward()
+                self.parts.backward.finish()
         return loss
-
-    def _begin_backward(self) -> None:
-        if self.reducer.open:
-            return
-        self.coordinator.begin_backward()
-        # A parameter whose unit no forward used since the last backward cannot get a gradient.
-        used = self.coordinator.used_since_backward
-        self.reducer.begin(sp for unit in self.units if unit not in used for sp in unit.params)
-
-    def _finish_backward(self) -> None:
-        """End the backward pass on every rank together, then land every gradient reduction."""
-        if not (self.reducer.open or self.coordinator.in_backward):
-            return
-        extras = self.coordinator.end_backward([int(self.reducer.has_late)])
-        self.reducer.finish(any_rank_late=any(row[0] for row in extras if row))
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (DeepSpeed's name; `optimizer.zero_grad()` in plain PyTorch).
@@ -317,7 +158,7 @@ class ZeroEngine:
         Call it on every rank.
         """
         self._check_alive()
-        self._finish_backward()
+        self.parts.backward.finish()
         self.coordinator.reset()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -333,7 +174,7 @@ class ZeroEngine:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)
-        self._finish_backward()  # a plain loss.backward() left its pass open
+        self.parts.backward.finish()  # a plain loss.backward() left its pass open
         if not boundary:
             self.micro_steps += 1
             return
@@ -455,7 +296,7 @@ class ZeroEngine:
         self._check_alive()
         self._check_between_steps("save_checkpoint")
         self.wait_for_checkpoint()
-        self._finish_backward()
+        self.parts.backward.finish()
         self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
         if self.grads is not None and self.grads.any_arrived():
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
@@ -553,7 +394,7 @@ class ZeroEngine:
         self._check_alive()
         self._check_between_steps("load_checkpoint")
         self.wait_for_checkpoint()
-        self._finish_backward()
+        self.parts.backward.finish()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.coordinator.release_all()
         restored = checkpoint_state.load(
@@ -628,19 +469,6 @@ class ZeroEngine:
         self._check_alive()
         return self.offloader.report()
 
-    def _state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
-        if state is OffloadStateType.lp_params:
-            return list(self.lp_buffers)
-        if self.optimizer is None:
-            return []
-        if state is OffloadStateType.hp_params:
-            return [self.optimizer.hp_params]
-        if state is OffloadStateType.lp_grads:
-            return [self.optimizer.lp_grads]
-        if state is OffloadStateType.optim_states:
-            return list(self.optimizer.moments.values())
-        return []  # the scratch bucket is the reducer's (the offloader asks it directly)
-
     def _check_between_steps(self, what: str) -> None:
         if self.coordinator.in_forward or self.coordinator.in_backward:
             raise RuntimeError(f"engine.{what}() was called inside a forward or backward; call it between steps")
@@ -652,7 +480,7 @@ class ZeroEngine:
 
     def _prepare_offload(self, states: set[OffloadStateType]) -> None:
         """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
-        self._finish_backward()
+        self.parts.backward.finish()
         self.coordinator.release_all()
         self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident
         if OffloadStateType.lp_params in states and self.persistent_unit is not None:
@@ -697,37 +525,9 @@ class ZeroEngine:
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.shutdown(wait=True)
             self._checkpoint_writer = None
-        self.offloader.close()
-        self.coordinator.release_all()
-        self.coordinator.remove()
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self._grad_hook_handles.clear()
-        for unit in self.all_units:
-            unit.close()
-        for module in self.module.modules():
-            param_dict.uninstall(module)
-        for sp in self.sharded_params:
-            sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
-            if hasattr(sp.param, ATTR):
-                delattr(sp.param, ATTR)
-            sp.unit = None
-            sp.lp_slot = None
-        self.reducer.close()
-        self.reducer.scratch = None
-        for buffer in self.lp_buffers:
-            buffer.release("was freed: this zero3 engine was destroyed")
-        if self.param_disk is not None:
-            self.param_disk.close()
-        if self.optimizer is not None:
-            self.optimizer.close()
-            self.optimizer = None
-        if self.grads is not None:
-            self.grads.close()
-            self.grads = None
+        self.parts.close()
+        self.optimizer = self.grads = None
         self.lr_scheduler = None
-        self.disk.close()
-        self.host_pool.clear()
         self.units = []
         self.persistent_unit = None
         self.sharded_params = []

@@ -1,0 +1,230 @@
+"""An engine's parts, built and wired in one place, and closed in one place.
+
+[Note: build order]
+Parameters are partitioned first (what zero3.Init did not), then grouped into
+units; the tiers lay the 16-bit shards out (memory, host, disk); the gradient
+shards come before the reducer and the optimizer, which both use them; the
+reducer comes before the optimizer, whose sub-groups are cut to fit the
+reducer's idle scratch; the coordinator and the gradient hooks come last,
+since they drive all of the above.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.comm import Communicator
+from zero3.config import Zero3Config
+from zero3.enums import OffloadDevice, OffloadStateType
+from zero3.offload.disk import FileIO, ThreadPoolFileIO
+from zero3.offload.host import HostBufferPool
+from zero3.offload.manager import StateOffloader
+from zero3.offload.param_tier import DiskShardTier
+from zero3.offload.tiers import check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states
+from zero3.partition import param_dict
+from zero3.partition.collectives import GradReduce, ParamGather
+from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.partitioner import Partitioner, build_units
+from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
+from zero3.partition.unit import GatherUnit
+from zero3.runtime.coordinator import ParamCoordinator
+from zero3.runtime.grad_hooks import BackwardPass
+from zero3.runtime.grad_reducer import GradientReducer
+from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
+from zero3.runtime.optimizer import ZeroOptimizer
+
+log = logging.getLogger("zero3")
+
+ParamGroups = list[tuple[list[ShardedParam], dict[str, Any]]]
+
+
+@dataclass
+class EngineParts:
+    module: nn.Module
+    device: torch.device
+    units: list[GatherUnit]
+    persistent_unit: GatherUnit | None
+    sharded_params: list[ShardedParam]
+    disk: FileIO
+    host_pool: HostBufferPool
+    lp_buffers: list[FlatBuffer]
+    param_disk: DiskShardTier | None
+    grads: GradShards | None
+    reducer: GradientReducer
+    loss_scaler: LossScaler | DynamicLossScaler
+    optimizer: ZeroOptimizer | None
+    coordinator: ParamCoordinator
+    backward: BackwardPass
+    offloader: StateOffloader
+
+    @property
+    def all_units(self) -> list[GatherUnit]:
+        return self.units + ([self.persistent_unit] if self.persistent_unit is not None else [])
+
+    def state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
+        return state_buffers(self.lp_buffers, self.optimizer, state)
+
+    def close(self) -> None:
+        """Close every part, the users of a part before the part (the engine is being destroyed)."""
+        self.offloader.close()
+        self.coordinator.release_all()
+        self.coordinator.remove()
+        self.backward.close()
+        for unit in self.all_units:
+            unit.close()
+        for module in self.module.modules():
+            param_dict.uninstall(module)
+        for sp in self.sharded_params:
+            sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
+            if hasattr(sp.param, ATTR):
+                delattr(sp.param, ATTR)
+            sp.unit = None
+            sp.lp_slot = None
+        self.reducer.close()
+        self.reducer.scratch = None
+        for buffer in self.lp_buffers:
+            buffer.release("was freed: this zero3 engine was destroyed")
+        if self.param_disk is not None:
+            self.param_disk.close()
+        if self.optimizer is not None:
+            self.optimizer.close()
+        if self.grads is not None:
+            self.grads.close()
+        self.disk.close()
+        self.host_pool.clear()
+
+
+def build(
+    model: nn.Module, config: Zero3Config, comm: Communicator, gather: ParamGather, device: torch.device,
+    model_parameters: Iterable[Any] | None, rank: int,
+) -> EngineParts:
+    """Partition `model` and build every part around it, wired (see the Note)."""
+    zc = config.zero_optimization
+    compute_dtype = config.compute_dtype
+    partition(model, gather, device, compute_dtype)
+    units, module_units, persistent_unit = build_units(model, gather, zc.stage3_param_persistence_threshold)
+    all_units = units + ([persistent_unit] if persistent_unit is not None else [])
+    sharded_params = [sp for unit in all_units for sp in unit.params]
+    groups = optimizer_groups(model, model_parameters, sharded_params) if config.optimizer is not None else []
+
+    # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
+    disk = ThreadPoolFileIO(rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
+    host_pool = HostBufferPool(device)
+    trainable = [sp for sps, _ in groups for sp in sps]
+    check_free_space(disk_needs(config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable)))
+    layout = lay_out_params(config, all_units, compute_dtype, device, disk)
+
+    # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
+    grads = None
+    if config.optimizer is not None:
+        grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
+    reducer = GradientReducer(
+        GradReduce(gather.mesh, comm), trainable, config.communication_dtype, device,
+        zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients, grads,
+    )
+    loss_scaler = build_loss_scaler(config.fp16)
+    optimizer = None
+    if config.optimizer is not None:
+        assert grads is not None
+        sub_group_size = zc.sub_group_size
+        if zc.offload_optimizer.device == OffloadDevice.none:
+            # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
+            # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
+            scratch_bytes = reducer.scratch_numel() * reducer.dtype.itemsize
+            sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
+        optimizer = ZeroOptimizer(
+            groups, config.optimizer, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
+            optimizer_states(config, device, disk, host_pool),
+        )
+        # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
+        optimizer.borrow_scratch = reducer.idle_scratch
+    for sp in sharded_params:
+        sp.hp_seed = None  # frozen parameters keep no master
+
+    coordinator = ParamCoordinator(
+        model, units, module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
+        zc.stage3_max_live_parameters, persistent_unit, grads,
+    )
+    offloader = StateOffloader(
+        device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
+        zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
+    )
+    backward = BackwardPass(sharded_params, units, coordinator, reducer, grads, device)
+    coordinator.install()
+    if persistent_unit is not None:
+        persistent_unit.unshard()
+    return EngineParts(
+        model, device, units, persistent_unit, sharded_params, disk, host_pool, layout.buffers, layout.disk_tier,
+        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader,
+    )
+
+
+def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:
+    """The flat buffers that hold a state (the scratch bucket is the reducer's: asked directly)."""
+    if state is OffloadStateType.lp_params:
+        return list(lp_buffers)
+    if optimizer is None:
+        return []
+    if state is OffloadStateType.hp_params:
+        return [optimizer.hp_params]
+    if state is OffloadStateType.lp_grads:
+        return [optimizer.lp_grads]
+    if state is OffloadStateType.optim_states:
+        return list(optimizer.moments.values())
+    return []
+
+
+def partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
+    """Partition what zero3.Init did not, move buffers, and name every parameter."""
+    partitioner = Partitioner(gather, device, dtype)
+    for name, module in model.named_modules():
+        partitioner.partition_module(module, name)
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[key] = buf.to(device)
+    for name, param in model.named_parameters():
+        sp = sharded(param)
+        assert sp is not None
+        sp.name = name
+        if sp.dtype != dtype or sp.placeholder.device != device:
+            raise ValueError(
+                f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
+                f"computes in {dtype} on {device}: pass the same config to zero3.Init"
+            )
+
+
+def optimizer_groups(
+    model: nn.Module, model_parameters: Iterable[Any] | None, sharded_params: list[ShardedParam],
+) -> ParamGroups:
+    """The trained parameters of each group `model_parameters` names (default: one group of all)."""
+    entries = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if entries and all(isinstance(e, dict) for e in entries):
+        raw_groups = [(list(e["params"]), {k: v for k, v in e.items() if k != "params"}) for e in entries]
+    elif all(isinstance(e, torch.Tensor) for e in entries):
+        raw_groups = [(entries, {})]
+    else:
+        raise TypeError("model_parameters must be parameters or parameter-group dicts with a 'params' key")
+    owned = {id(sp.param) for sp in sharded_params}
+    seen: set[int] = set()
+    groups: ParamGroups = []
+    for params, options in raw_groups:
+        sps: list[ShardedParam] = []
+        for param in params:
+            if id(param) not in owned:
+                raise ValueError(
+                    f"model_parameters holds a tensor of shape {tuple(param.shape)} that is not a parameter of the model"
+                )
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            sps.append(sharded(param))  # type: ignore[arg-type]
+        groups.append((sps, options))
+    return groups

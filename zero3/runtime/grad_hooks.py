@@ -1,0 +1,91 @@
+"""Where gradients enter the engine: a hook pair on every trained parameter, and the bracket of a
+backward pass (the coordinator holds what backward reads, the reducer sends what it makes)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from zero3.partition.sharded_param import ShardedParam
+from zero3.partition.unit import GatherUnit, UnitState
+from zero3.runtime.coordinator import ParamCoordinator
+from zero3.runtime.grad_reducer import GradientReducer
+from zero3.runtime.grad_shards import GradShards
+
+log = logging.getLogger("zero3")
+
+
+class BackwardPass:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        units: list[GatherUnit],
+        coordinator: ParamCoordinator,
+        reducer: GradientReducer,
+        grads: GradShards | None,
+        device: torch.device,
+    ) -> None:
+        self.units = units
+        self.coordinator = coordinator
+        self.reducer = reducer
+        self.grads = grads
+        self._handles: list[Any] = []
+        for sp in params:
+            if not sp.param.requires_grad:
+                continue
+            proxy = torch.empty(1, dtype=sp.dtype, device=device).expand(sp.shape)
+            self._handles.append(sp.param.register_hook(_pre_accumulate(sp, proxy)))
+            self._handles.append(sp.param.register_post_accumulate_grad_hook(self._post_accumulate(sp)))
+
+    def _post_accumulate(self, sp: ShardedParam):
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            unit = sp.unit
+            assert unit is not None
+            if unit.state is UnitState.SHARDED:
+                sp.set_released()
+            if grad is None:
+                return
+            if self.grads is None or sp not in self.grads:
+                log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
+            else:
+                self.begin()  # no-op unless a plain loss.backward() runs outside engine.backward
+                self.grads.mark_arrived(sp)
+                self.reducer.add(sp, grad)
+            self.coordinator.grad_arrived(unit)
+
+        return hook
+
+    def begin(self) -> None:
+        if self.reducer.open:
+            return
+        self.coordinator.begin_backward()
+        # A parameter whose unit no forward used since the last backward cannot get a gradient.
+        used = self.coordinator.used_since_backward
+        self.reducer.begin(sp for unit in self.units if unit not in used for sp in unit.params)
+
+    def finish(self) -> None:
+        """End the backward pass on every rank together, then land every gradient reduction."""
+        if not (self.reducer.open or self.coordinator.in_backward):
+            return
+        extras = self.coordinator.end_backward([int(self.reducer.has_late)])
+        self.reducer.finish(any_rank_late=any(row[0] for row in extras if row))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _pre_accumulate(sp: ShardedParam, proxy: torch.Tensor):
+    def hook(grad: torch.Tensor) -> None:
+        # Autograd accumulates into a tensor of the parameter's shape; a
+        # released parameter gets a storage-free stand-in of that shape.
+        if sp.unit is not None and sp.unit.state is not UnitState.UNSHARDED:
+            sp.param.data = proxy
+        return None
+
+    return hook
