@@ -109,7 +109,7 @@ def state_buffers(engine: Any, state: OffloadStateType) -> list[Any]:
     """The FlatBuffers of a state (the engine's own accessor; the scratch bucket is the reducer's)."""
     if state is SCRATCH:
         return [engine.reducer.scratch] if engine.reducer.scratch is not None else []
-    return engine._state_buffers(state)
+    return engine.parts.state_buffers(state)
 
 
 def io_bytes(report: dict[str, dict[str, int]], states: list[OffloadStateType]) -> int:

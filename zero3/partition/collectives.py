@@ -75,16 +75,19 @@ class ParamGather:
 
         `output` may hold this rank's shard already in its own chunk (an in-place gather)."""
         size = self.mesh.shard_size
+        fresh = output is None
         if output is None:
             output = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
         if size == 1:
-            if output.data_ptr() != shard.data_ptr():
+            if fresh or output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return PendingGather(output, None)
         assert self.comm is not None, "a layout-only mesh cannot gather"
         if self.codec is None:
-            own = output.narrow(0, self.mesh.shard_rank * shard.numel(), shard.numel())
-            source = own if own.data_ptr() == shard.data_ptr() else shard
+            source = shard
+            if not fresh:  # an in-place gather hands the collective its own chunk of the output
+                own = output.narrow(0, self.mesh.shard_rank * shard.numel(), shard.numel())
+                source = own if own.data_ptr() == shard.data_ptr() else shard
             work = self.comm.all_gather_flat(output, source, async_op=True)
             return PendingGather(output, work, inputs=[shard])
         encoded = torch.empty(self.codec.encoded_numel(shard.numel()), device=shard.device,

@@ -58,7 +58,11 @@ class GatherUnit:
         self.lp_slot: Slot | None = None
         self._pending: PendingGather | None = None
         self.unsharded: torch.Tensor | None = None
-        self._holds: dict[Hold, int] = {hold: 0 for hold in Hold}  # who needs the gathered values now
+        # Who needs the gathered values now (plain ints: this runs in every module hook).
+        self._forward_holds = 0
+        self._pins = 0
+        self._backward_held = False
+        self._shard_numels = [sp.shard_numel for sp in params]  # the gather's copy-out layout
         # Told of every state change (old, new): the runtime maps gathered storage
         # back to units and counts the gathered elements.
         self.observer: Callable[["GatherUnit", UnitState, UnitState], None] | None = None
@@ -128,7 +132,7 @@ class GatherUnit:
             return
         pending, self._pending = self._pending, None
         assert pending is not None
-        self.unsharded = self.gather.copy_out(pending.wait(), [sp.shard_numel for sp in self.params])
+        self.unsharded = self.gather.copy_out(pending.wait(), self._shard_numels)
         cursor = 0
         for sp in self.params:
             sp.set_full(self.unsharded[cursor : cursor + sp.numel].view(sp.shape))
@@ -160,26 +164,43 @@ class GatherUnit:
     # ---- holds -------------------------------------------------------------
     def acquire(self, hold: Hold) -> None:
         """Record a reason to keep the unit gathered (gathering it is `fetch`/`wait`'s job)."""
-        self._holds[hold] = 1 if hold is Hold.BACKWARD else self._holds[hold] + 1
+        if hold is Hold.FORWARD:
+            self._forward_holds += 1
+        elif hold is Hold.PIN:
+            self._pins += 1
+        else:
+            self._backward_held = True
 
     def release(self, hold: Hold) -> None:
         """Drop one such reason; with none left, the gathered values are dropped."""
-        if self._holds[hold] == 0:
+        if self.holds(hold) == 0:
             raise RuntimeError(f"unit {self.label}: released a {hold.value} hold it does not have")
-        self._holds[hold] -= 1
+        if hold is Hold.FORWARD:
+            self._forward_holds -= 1
+        elif hold is Hold.PIN:
+            self._pins -= 1
+        else:
+            self._backward_held = False
         self.release_if_unneeded()
 
     def release_all(self, hold: Hold) -> None:
         """Drop every hold of this kind (a pass that ended, or was abandoned by an exception)."""
-        self._holds[hold] = 0
+        if hold is Hold.FORWARD:
+            self._forward_holds = 0
+        elif hold is Hold.PIN:
+            self._pins = 0
+        else:
+            self._backward_held = False
         self.release_if_unneeded()
 
     def holds(self, hold: Hold) -> int:
-        return self._holds[hold]
+        if hold is Hold.FORWARD:
+            return self._forward_holds
+        return self._pins if hold is Hold.PIN else int(self._backward_held)
 
     @property
     def needed(self) -> bool:
-        return self.persistent or any(self._holds.values())
+        return self.persistent or self._forward_holds > 0 or self._pins > 0 or self._backward_held
 
     def release_if_unneeded(self) -> None:
         if not self.needed:
@@ -188,8 +209,8 @@ class GatherUnit:
     def close(self) -> None:
         """Drop every hold and the gathered values, persistent or not (the engine is being destroyed)."""
         self.persistent = False
-        for hold in Hold:
-            self._holds[hold] = 0
+        self._forward_holds = self._pins = 0
+        self._backward_held = False
         self.reshard()
 
     def write_back(self, params: "set[ShardedParam] | None" = None) -> None:
