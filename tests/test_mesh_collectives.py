@@ -69,8 +69,10 @@ def _gathers(rank: int, world: int) -> dict:
     coded = ParamGather(mesh, comm, CastCodec())
     # Two parameters of 2 and 3 shard elements each in one unit: copy-out lays each one out whole.
     laid_out = gather.copy_out(gather.gather(shard), [2, 3])
+    one_dim = ShardMesh.from_device_mesh(init_device_mesh("cpu", (world,)))
     return {
         "mesh": (mesh.shard_size, mesh.shard_rank, mesh.replicate_size),
+        "one_dim": (one_dim.shard_size, one_dim.shard_rank, one_dim.replicate_size, one_dim.world_size),
         "plain": gather.gather(shard),
         "in_place": gather.gather(own_place[rank * 5 : rank * 5 + 5], own_place),
         "coded": coded.gather(shard),
@@ -86,6 +88,7 @@ def test_the_parameter_gather_plain_in_place_coded_and_laid_out() -> None:
     whole = torch.cat(shards)
     for rank, r in enumerate(results):
         assert r["mesh"] == (2, rank, 1)
+        assert r["one_dim"] == (2, rank, 1, 2)
         assert torch.equal(r["plain"], whole)
         assert torch.equal(r["in_place"], whole)
         assert torch.equal(r["exact"], whole)
