@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from torch.utils._pytree import tree_map
 from zero3 import accelerator
 from zero3.checkpoint import state as checkpoint_state
 from zero3.checkpoint import weights as checkpoint_weights
+from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
@@ -99,8 +99,7 @@ class ZeroEngine:
         self._skipped_on_host = 0  # dynamic-scale skips; static-scale ones are counted on the device
         self._last_grad_norm: torch.Tensor | None = None
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
-        self._checkpoint_writer: ThreadPoolExecutor | None = None  # async saves (one at a time)
-        self._pending_checkpoint: Future[Any] | None = None
+        self.saves = AsyncSaves(self.host_pool)
         self._destroyed = False
 
     @property
@@ -300,13 +299,11 @@ class ZeroEngine:
         self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
         if self.grads is not None and self.grads.any_arrived():
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
-        if async_save and self._checkpoint_writer is None:
-            self._checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
         written = checkpoint_state.save(
-            self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last, self._checkpoint_writer if async_save else None
+            self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last,
+            self.saves.executor() if async_save else None,
         )
-        if isinstance(written, Future):
-            self._pending_checkpoint = written
+        self.saves.track(written)
         return True
 
     def save_16bit_model(
@@ -366,13 +363,7 @@ class ZeroEngine:
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an async save still writing (raises its error, if it failed)."""
-        pending, self._pending_checkpoint = self._pending_checkpoint, None
-        if pending is None:
-            return
-        try:
-            pending.result()
-        finally:
-            self.host_pool.drop(checkpoint_state.STAGING)
+        self.saves.wait()
 
     def load_checkpoint(
         self,
@@ -517,14 +508,7 @@ class ZeroEngine:
         """Remove every hook and free every buffer. The engine is unusable afterwards."""
         if self._destroyed:
             return
-        checkpoint_error: BaseException | None = None
-        try:
-            self.wait_for_checkpoint()
-        except Exception as error:  # noqa: BLE001 - raised once the engine is torn down
-            checkpoint_error = error
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.shutdown(wait=True)
-            self._checkpoint_writer = None
+        checkpoint_error = self.saves.close()  # raised once the engine is torn down
         self.parts.close()
         self.optimizer = self.grads = None
         self.lr_scheduler = None
