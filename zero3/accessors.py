@@ -11,12 +11,16 @@ import torch
 
 from zero3.enums import ParamStatus
 from zero3.partition.sharded_param import require_sharded
+from zero3.partition.unit import unit_of
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.optimizer import master_slots
 
 
 def param_status(param: torch.Tensor) -> ParamStatus:
-    return require_sharded(param, "param_status").status
+    unit = unit_of(require_sharded(param, "param_status"))
+    if unit is None:
+        raise ValueError("param_status: the parameter's engine was destroyed")
+    return unit.status
 
 
 def safe_get_local_lp_param(param: torch.Tensor) -> torch.Tensor:
@@ -52,9 +56,10 @@ def safe_get_local_optimizer_state(param: torch.Tensor, name: str) -> torch.Tens
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The whole fp32 parameter, gathered from every rank's master shard (collective)."""
     sp = require_sharded(param, "safe_get_full_fp32_param")
-    assert sp.unit is not None
+    unit = unit_of(sp)
+    assert unit is not None, f"parameter {sp.name} has no gather unit"
     assert sp.lp_slot is not None
     slots = master_slots(sp)
     shard = slots.hp.read() if slots is not None else sp.lp_slot.read().float()
-    full = sp.unit.gather.exact().gather(shard.to(sp.unit.device).contiguous())
+    full = unit.gather.exact().gather(shard.to(unit.device).contiguous())
     return full[: sp.numel].view(sp.shape)

@@ -20,7 +20,8 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,7 +37,6 @@ from zero3.comm import Communicator
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.optimizer import ZeroOptimizer
 
 log = logging.getLogger("zero3")
 
@@ -61,6 +61,29 @@ def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
     return RangeChunks(shape, dtype, start, end, read=read, write=write)
 
 
+class MasterShards(Protocol):
+    """One parameter's optimizer-side shards, as a checkpoint reads them."""
+
+    hp: Slot
+    moments: dict[str, Slot]
+
+
+class CheckpointedOptimizer(Protocol):
+    """What a save or a load reads and writes of the engine's optimizer (zero3.runtime.optimizer)."""
+
+    params: list[ShardedParam]
+    masters: Mapping[ShardedParam, MasterShards]
+    optimizer: torch.optim.Optimizer  # torch's, stepping the masters: its type and hyperparameters are saved
+    lp_stale: bool
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def step_count(self, sp: ShardedParam) -> torch.Tensor: ...
+
+    def set_step_count(self, sp: ShardedParam, count: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class TrainingCounters:
     """Where training stands: what a checkpoint records besides the tensors, and a load restores."""
@@ -81,7 +104,7 @@ class CheckpointedEngine:
     compute_dtype: torch.dtype
     device: torch.device
     sharded_params: list[ShardedParam]
-    optimizer: ZeroOptimizer | None
+    optimizer: CheckpointedOptimizer | None
     loss_scaler: Any  # state_dict() / load_state_dict()
     lr_scheduler: Any  # None, or state_dict() / load_state_dict()
     host_pool: HostBufferPool

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from zero3.enums import OffloadStateType
 
-if TYPE_CHECKING:
-    from zero3.runtime.engine import ZeroEngine
+
+class StateHolder(Protocol):
+    """What `get_state_devices` asks of an engine."""
+
+    def state_devices(self, state: OffloadStateType | str) -> set[torch.device]: ...
 
 
-def get_state_devices(engine: "ZeroEngine", state: OffloadStateType | str) -> set[torch.device]:
+def get_state_devices(engine: StateHolder, state: OffloadStateType | str) -> set[torch.device]:
     """The devices whose memory holds `state`.
 
     One device normally; `{torch.device("meta")}` for a state parked on disk

@@ -77,7 +77,7 @@ class DiskShardTier:
         cursor = 0
         for unit in units:
             shard = torch.cat([sp.lp_slot.read().reshape(-1) for sp in unit.params])  # type: ignore[union-attr]
-            unit.assign_lp(buffer, cursor)  # the unit's own buffer is freed with its last reference
+            unit.assign_lp(buffer, cursor, self)  # the unit's own buffer is freed with its last reference
             # Under Init on a GPU the shard was built on the device; the file is written from host memory.
             self.disk.write_now(self.file, shard.to(device="cpu", dtype=self.dtype), cursor * self.element_size)
             cursor += unit.shard_numel

@@ -111,7 +111,9 @@ def lay_out_params(
         in_memory, on_disk = units, []
     else:
         in_memory, on_disk = split_units(units, tier.max_in_cpu)
-    buffers = [consolidate_lp(in_memory, dtype, host)] if in_memory else []
+    # Beside a GPU, a shard kept in host memory is copied in for its gather.
+    host_source = HostShardSource(device) if device.type != "cpu" else None
+    buffers = [consolidate_lp(in_memory, dtype, host, source=host_source)] if in_memory else []
     if tier.pin_memory and accelerator.supports_pinned_memory(device) and buffers:
         buffers[0].replace(buffers[0].tensor.pin_memory())
     disk_tier = None
@@ -121,13 +123,7 @@ def lay_out_params(
             disk, Path(tier.nvme_path), sum(unit.shard_numel for unit in on_disk), dtype, device,
             read_ahead=tier.buffer_count,
         )
-        buffers.append(disk_tier.adopt(on_disk, "lp_params:disk"))
-        for unit in on_disk:
-            unit.source = disk_tier
-    if device.type != "cpu":
-        source = HostShardSource(device)
-        for unit in in_memory:
-            unit.source = source
+        buffers.append(disk_tier.adopt(on_disk, "lp_params:disk"))  # each unit's source: the tier
     return ParamLayout(buffers, disk_tier)
 
 

@@ -8,7 +8,7 @@ from types import TracebackType
 import torch
 
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import GatherUnit, Hold
+from zero3.partition.unit import GatherUnit, Hold, unit_of
 
 
 class GatheredParameters:
@@ -39,8 +39,9 @@ class GatheredParameters:
         self.listed: set[ShardedParam] = set()
         for p in candidates:
             sp = sharded(p)
-            if sp is not None and sp.unit is not None:
-                units.setdefault(id(sp.unit), sp.unit)
+            unit = unit_of(sp) if sp is not None else None
+            if sp is not None and unit is not None:
+                units.setdefault(id(unit), unit)
                 self.listed.add(sp)
         self.units = list(units.values())
         if modifier_rank is not None and self.units:

@@ -9,7 +9,7 @@ from zero3.partition import param_dict
 from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import GatherUnit
+from zero3.partition.unit import GatherUnit, ShardSource, unit_of
 
 
 class Partitioner:
@@ -85,21 +85,24 @@ def build_units(
         needed: list[GatherUnit] = []
         for param in module._parameters.values():
             sp = sharded(param) if param is not None else None
-            if sp is not None and sp.unit is not None and not sp.unit.persistent and sp.unit not in needed:
-                needed.append(sp.unit)
+            unit = unit_of(sp) if sp is not None else None
+            if unit is not None and not unit.persistent and unit not in needed:
+                needed.append(unit)
         module_units[module] = needed
     return units, module_units, persistent_unit
 
 
 def consolidate_lp(
-    units: list[GatherUnit], dtype: torch.dtype, device: torch.device, name: str = "lp_params"
+    units: list[GatherUnit], dtype: torch.dtype, device: torch.device, name: str = "lp_params",
+    source: ShardSource | None = None,
 ) -> FlatBuffer:
-    """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state)."""
+    """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state);
+    `source` brings each unit's shard to the compute device when the buffer is not there."""
     flat = FlatBuffer.zeros(name, sum(unit.shard_numel for unit in units), dtype, device, state="lp_params")
     cursor = 0
     for unit in units:
         shards = [sp.lp_slot.read() for sp in unit.params]  # type: ignore[union-attr]
-        unit.assign_lp(flat, cursor)
+        unit.assign_lp(flat, cursor, source)
         torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
         cursor += unit.shard_numel
     return flat

@@ -1,24 +1,22 @@
-"""One partitioned parameter: its shard slots, its released placeholder, its status.
+"""One partitioned parameter: its geometry, its 16-bit slot, its released placeholder.
 
 The `nn.Parameter` object itself is kept (optimizers, tied weights and user
 references stay valid); only its `.data` changes: a view into its unit's
 gathered buffer while AVAILABLE, a zero-element placeholder otherwise. The one
-attribute added to the parameter is `_zero3`, pointing here.
+attribute added to the parameter is `_zero3`, pointing here. The parameter does
+not know its gather unit: the unit knows its parameters (`unit_of` in
+zero3.partition.unit answers the other way).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
-from zero3.enums import ParamStatus
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.mesh import ShardMesh
-
-if TYPE_CHECKING:
-    from zero3.partition.unit import GatherUnit
 
 ATTR = "_zero3"
 
@@ -38,7 +36,6 @@ class ShardedParam:
         self.numel = param.numel()
         self.mesh = mesh
         self.shard_numel = mesh.shard_numel(self.numel)
-        self.unit: GatherUnit | None = None
         self.lp_slot: Slot | None = None
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
         # master): the optimizer adds its own and keeps everything else of its state to itself.
@@ -61,11 +58,6 @@ class ShardedParam:
     @property
     def dtype(self) -> torch.dtype:
         return self.placeholder.dtype
-
-    @property
-    def status(self) -> ParamStatus:
-        assert self.unit is not None
-        return self.unit.status
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full value of the parameter, zero padded."""

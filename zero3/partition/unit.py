@@ -9,7 +9,7 @@ collective, copy-out to each parameter's contiguous value) is the mesh's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 from enum import Enum
 from typing import Protocol
 
@@ -43,6 +43,25 @@ class ShardSource(Protocol):
     def acquire(self, unit: "GatherUnit") -> torch.Tensor: ...
 
 
+# Each partitioned parameter's unit: the unit registers its parameters; a parameter keeps no pointer back.
+_UNIT_OF: weakref.WeakKeyDictionary[ShardedParam, "GatherUnit"] = weakref.WeakKeyDictionary()
+
+
+def unit_of(sp: ShardedParam) -> "GatherUnit | None":
+    """The unit that gathers `sp` (None once its engine was destroyed)."""
+    return _UNIT_OF.get(sp)
+
+
+class UnitDriver(Protocol):
+    """The runtime that drives a unit's gathers (zero3.runtime.coordinator): told of every state change
+    (it maps gathered storage back to units and counts gathered elements), and asked to bring the unit
+    in (through its lockstep walk)."""
+
+    def observe(self, unit: "GatherUnit", old: UnitState, new: UnitState) -> None: ...
+
+    def fetch(self, unit: "GatherUnit") -> None: ...
+
+
 class GatherUnit:
     def __init__(self, params: list[ShardedParam], gather: ParamGather, label: str, persistent: bool = False) -> None:
         if not params:
@@ -63,21 +82,18 @@ class GatherUnit:
         self._pins = 0
         self._backward_held = False
         self._shard_numels = [sp.shard_numel for sp in params]  # the gather's copy-out layout
-        # Told of every state change (old, new): the runtime maps gathered storage
-        # back to units and counts the gathered elements.
-        self.observer: Callable[["GatherUnit", UnitState, UnitState], None] | None = None
-        # How a runtime brings the unit in while it drives the gathers (its lockstep
-        # walk); None: gather directly. Used by `fetch`.
-        self.fetcher: Callable[["GatherUnit"], None] | None = None
+        self._driver: UnitDriver | None = None  # the runtime driving the gathers, while one does
         # Where the shard comes from when it does not live on the device (None: the lp slot's view).
         self.source: ShardSource | None = None
         for sp in params:
-            sp.unit = self
+            _UNIT_OF[sp] = self  # the latest unit built over a parameter is its unit
 
     # ---- placement -------------------------------------------------------
-    def assign_lp(self, buffer: FlatBuffer, offset: int) -> None:
-        """Point the unit (and each parameter) at its region of a 16-bit flat buffer."""
+    def assign_lp(self, buffer: FlatBuffer, offset: int, source: ShardSource | None = None) -> None:
+        """Point the unit (and each parameter) at its region of a 16-bit flat buffer, and say where its
+        shard comes from for a gather when that region is not on the device (`source`)."""
         self.lp_slot = Slot(buffer, offset, self.shard_numel)
+        self.source = source
         cursor = offset
         for sp in self.params:
             sp.lp_slot = Slot(buffer, cursor, sp.shard_numel)
@@ -98,13 +114,22 @@ class GatherUnit:
     # ---- transitions -----------------------------------------------------
     def _set_state(self, new: UnitState) -> None:
         old, self.state = self.state, new
-        if self.observer is not None:
-            self.observer(self, old, new)
+        if self._driver is not None:
+            self._driver.observe(self, old, new)
+
+    def attach(self, driver: UnitDriver) -> None:
+        """Let a runtime drive the unit's gathers (told of each state change, asked to fetch)."""
+        if self._driver is not None and self._driver is not driver:
+            raise RuntimeError(f"unit {self.label} is already driven by another engine")
+        self._driver = driver
+
+    def detach(self) -> None:
+        self._driver = None
 
     def fetch(self) -> None:
         """Start bringing the unit in (the runtime's way, if it drives the gathers); `wait` completes it."""
-        if self.fetcher is not None:
-            self.fetcher(self)
+        if self._driver is not None:
+            self._driver.fetch(self)
         else:
             self.start_unshard(async_op=True)
 
@@ -207,11 +232,15 @@ class GatherUnit:
             self.reshard()
 
     def close(self) -> None:
-        """Drop every hold and the gathered values, persistent or not (the engine is being destroyed)."""
+        """Drop every hold and the gathered values, persistent or not, and let go of the parameters
+        (the engine is being destroyed)."""
         self.persistent = False
         self._forward_holds = self._pins = 0
         self._backward_held = False
         self.reshard()
+        for sp in self.params:
+            if _UNIT_OF.get(sp) is self:
+                del _UNIT_OF[sp]
 
     def write_back(self, params: "set[ShardedParam] | None" = None) -> None:
         """Store the current full values (edited in place by the user) into the shards.

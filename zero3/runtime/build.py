@@ -86,7 +86,6 @@ class EngineParts:
             sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
             if hasattr(sp.param, ATTR):
                 delattr(sp.param, ATTR)
-            sp.unit = None
             sp.lp_slot = None
         self.reducer.close()
         self.reducer.scratch = None
@@ -140,12 +139,11 @@ def build(
             # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
             scratch_bytes = reducer.scratch_numel() * reducer.dtype.itemsize
             sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
+        # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
         optimizer = ZeroOptimizer(
             groups, config.optimizer, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
-            optimizer_states(config, device, disk, host_pool),
+            optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
         )
-        # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
-        optimizer.borrow_scratch = reducer.idle_scratch
     for sp in sharded_params:
         sp.hp_seed = None  # frozen parameters keep no master
 
@@ -157,7 +155,7 @@ def build(
         device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
         zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
     )
-    backward = BackwardPass(sharded_params, units, coordinator, reducer, grads, device)
+    backward = BackwardPass(units, persistent_unit, coordinator, reducer, grads, device)
     coordinator.install()
     if persistent_unit is not None:
         persistent_unit.unshard()

@@ -128,9 +128,9 @@ class ParamCoordinator:
         self._grads_due: dict[GatherUnit, int] = {}
         self._handles: list[RemovableHandle] = []
         self._all_units = units + ([persistent_unit] if persistent_unit is not None else [])
+        self._unit_of = {sp: unit for unit in self._all_units for sp in unit.params}
         for unit in self._all_units:
-            unit.observer = self._observe
-            unit.fetcher = self._fetch
+            unit.attach(self)
             for sp in unit.params:
                 sp.on_access = self._on_access
 
@@ -150,8 +150,7 @@ class ParamCoordinator:
             handle.remove()
         self._handles.clear()
         for unit in self._all_units:
-            unit.observer = None
-            unit.fetcher = None
+            unit.detach()
             for sp in unit.params:
                 sp.on_access = None
 
@@ -164,7 +163,7 @@ class ParamCoordinator:
     def in_backward(self) -> bool:
         return self._in_backward
 
-    def _observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
+    def observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         self.live.observe(unit, old, new)
         if unit.persistent:
             return  # never saved by reference (see _pack), so never looked up
@@ -178,7 +177,7 @@ class ParamCoordinator:
     def live_numel(self) -> int:
         return self.live.numel
 
-    def _fetch(self, unit: GatherUnit) -> None:
+    def fetch(self, unit: GatherUnit) -> None:
         """Start gathering a unit this rank needs now: through the pass's walk, or directly between passes."""
         if self._walk is not None:
             self._walk.fetch(unit)
@@ -189,7 +188,7 @@ class ParamCoordinator:
         unit.acquire(Hold.FORWARD)
         frame.held.append(unit)
         self.used_since_backward.add(unit)
-        self._fetch(unit)
+        self.fetch(unit)
         unit.wait()
 
     def _release_frame(self, frame: _Frame) -> None:
@@ -227,8 +226,7 @@ class ParamCoordinator:
             frame = self._frames.pop()
             if frame.module is module:
                 for param in _params_in(output):
-                    unit = sharded(param).unit  # type: ignore[union-attr]
-                    assert unit is not None
+                    unit = self._unit_of[sharded(param)]  # type: ignore[index]
                     unit.acquire(Hold.FORWARD)
                     self._root_returned.append(unit)
             self._release_frame(frame)
@@ -257,14 +255,13 @@ class ParamCoordinator:
         if returned:
             parent = self._frames[-1] if self._frames else None
             for param in returned:
-                unit = sharded(param).unit  # type: ignore[union-attr]
-                assert unit is not None
+                unit = self._unit_of[sharded(param)]  # type: ignore[index]
                 unit.acquire(Hold.FORWARD)
                 (parent.held if parent is not None else self._root_returned).append(unit)
         self._release_frame(frame)
 
     def _on_access(self, sp: ShardedParam) -> None:
-        unit = sp.unit
+        unit = self._unit_of.get(sp)
         if not self._frames or unit is None or unit.persistent:
             return
         frame = self._frames[-1]
@@ -296,7 +293,7 @@ class ParamCoordinator:
     def hold_for_backward(self, unit: GatherUnit) -> None:
         if not self._in_backward:
             self.begin_backward()  # a plain loss.backward()
-        self._fetch(unit)
+        self.fetch(unit)
         unit.wait()
         unit.acquire(Hold.BACKWARD)
 

@@ -20,8 +20,8 @@ log = logging.getLogger("zero3")
 class BackwardPass:
     def __init__(
         self,
-        params: list[ShardedParam],
         units: list[GatherUnit],
+        persistent_unit: GatherUnit | None,
         coordinator: ParamCoordinator,
         reducer: GradientReducer,
         grads: GradShards | None,
@@ -32,19 +32,18 @@ class BackwardPass:
         self.reducer = reducer
         self.grads = grads
         self._handles: list[Any] = []
-        for sp in params:
-            if not sp.param.requires_grad:
-                continue
-            proxy = torch.empty(1, dtype=sp.dtype, device=device).expand(sp.shape)
-            self._handles.append(sp.param.register_hook(_pre_accumulate(sp, proxy)))
-            self._handles.append(sp.param.register_post_accumulate_grad_hook(self._post_accumulate(sp)))
+        for unit in units + ([persistent_unit] if persistent_unit is not None else []):
+            for sp in unit.params:
+                if not sp.param.requires_grad:
+                    continue
+                proxy = torch.empty(1, dtype=sp.dtype, device=device).expand(sp.shape)
+                self._handles.append(sp.param.register_hook(_pre_accumulate(sp, unit, proxy)))
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(self._post_accumulate(sp, unit)))
 
-    def _post_accumulate(self, sp: ShardedParam):
+    def _post_accumulate(self, sp: ShardedParam, unit: GatherUnit):
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
-            unit = sp.unit
-            assert unit is not None
             if unit.state is UnitState.SHARDED:
                 sp.set_released()
             if grad is None:
@@ -80,11 +79,11 @@ class BackwardPass:
         self._handles.clear()
 
 
-def _pre_accumulate(sp: ShardedParam, proxy: torch.Tensor):
+def _pre_accumulate(sp: ShardedParam, unit: GatherUnit, proxy: torch.Tensor):
     def hook(grad: torch.Tensor) -> None:
         # Autograd accumulates into a tensor of the parameter's shape; a
         # released parameter gets a storage-free stand-in of that shape.
-        if sp.unit is not None and sp.unit.state is not UnitState.UNSHARDED:
+        if unit.state is not UnitState.UNSHARDED:
             sp.param.data = proxy
         return None
 

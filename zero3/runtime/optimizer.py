@@ -93,6 +93,7 @@ class ZeroOptimizer:
         gradient_clipping: float,
         loss_scaler: LossScaler | DynamicLossScaler,
         make_states: Callable[[int, int], OptimizerStates],
+        borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -163,9 +164,9 @@ class ZeroOptimizer:
         self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
         if not self.states.transactional:
             self.bind_views()
-        # Lends idle scratch memory of at least n bytes on a device, or None (set by the engine: its
-        # reduce bucket, idle during the step).
-        self.borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None
+        # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce
+        # bucket, idle during the step).
+        self.borrow_scratch = borrow_scratch
         self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
 
     @property
