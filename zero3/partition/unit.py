@@ -77,7 +77,7 @@ class GatherUnit:
         self.lp_slot: Slot | None = None
         self._pending: PendingGather | None = None
         self.unsharded: torch.Tensor | None = None
-        # Who needs the gathered values now (plain ints: this runs in every module hook).
+        # Who needs the gathered values now (see `holds`).
         self._forward_holds = 0
         self._pins = 0
         self._backward_held = False
@@ -189,39 +189,34 @@ class GatherUnit:
     # ---- holds -------------------------------------------------------------
     def acquire(self, hold: Hold) -> None:
         """Record a reason to keep the unit gathered (gathering it is `fetch`/`wait`'s job)."""
-        if hold is Hold.FORWARD:
-            self._forward_holds += 1
-        elif hold is Hold.PIN:
-            self._pins += 1
-        else:
-            self._backward_held = True
+        self._set_holds(hold, 1 if hold is Hold.BACKWARD else self.holds(hold) + 1)
 
     def release(self, hold: Hold) -> None:
         """Drop one such reason; with none left, the gathered values are dropped."""
-        if self.holds(hold) == 0:
+        count = self.holds(hold)
+        if count == 0:
             raise RuntimeError(f"unit {self.label}: released a {hold.value} hold it does not have")
-        if hold is Hold.FORWARD:
-            self._forward_holds -= 1
-        elif hold is Hold.PIN:
-            self._pins -= 1
-        else:
-            self._backward_held = False
+        self._set_holds(hold, count - 1)
         self.release_if_unneeded()
 
     def release_all(self, hold: Hold) -> None:
         """Drop every hold of this kind (a pass that ended, or was abandoned by an exception)."""
-        if hold is Hold.FORWARD:
-            self._forward_holds = 0
-        elif hold is Hold.PIN:
-            self._pins = 0
-        else:
-            self._backward_held = False
+        self._set_holds(hold, 0)
         self.release_if_unneeded()
 
     def holds(self, hold: Hold) -> int:
         if hold is Hold.FORWARD:
             return self._forward_holds
         return self._pins if hold is Hold.PIN else int(self._backward_held)
+
+    def _set_holds(self, hold: Hold, count: int) -> None:
+        # Plain attributes, not a dict keyed by the enum: this runs in every module hook.
+        if hold is Hold.FORWARD:
+            self._forward_holds = count
+        elif hold is Hold.PIN:
+            self._pins = count
+        else:
+            self._backward_held = count > 0
 
     @property
     def needed(self) -> bool:
@@ -235,8 +230,8 @@ class GatherUnit:
         """Drop every hold and the gathered values, persistent or not, and let go of the parameters
         (the engine is being destroyed)."""
         self.persistent = False
-        self._forward_holds = self._pins = 0
-        self._backward_held = False
+        for hold in Hold:
+            self._set_holds(hold, 0)
         self.reshard()
         for sp in self.params:
             if _UNIT_OF.get(sp) is self:

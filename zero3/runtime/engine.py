@@ -63,7 +63,6 @@ class ZeroEngine:
         self.world_size = mesh.world_size
         self.batch = config.resolve_batch(mesh.world_size)
         self.compute_dtype = config.compute_dtype
-        zc = config.zero_optimization
         check_tiers(config, device)
         if lr_scheduler is not None and (
             not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
@@ -392,9 +391,9 @@ class ZeroEngine:
             self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
             load_module_strict,
         )
-        if self.optimizer is not None:
-            self.optimizer.repair_lp()  # the 16-bit shards from the loaded masters
-        self._refresh_gathered()  # what is gathered follows (parameters without masters were loaded in place)
+        self._repair_lp()  # the load marked the 16-bit shards stale: they are written from the loaded masters
+        if self.optimizer is None:
+            self._refresh_gathered()  # what is gathered follows the parameters loaded in place
         if restored.counters is not None:
             self.global_steps = restored.counters.global_steps
             self.micro_steps = restored.counters.micro_steps
