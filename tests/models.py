@@ -76,6 +76,20 @@ class CheckpointedTransformer(TiedTransformer):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class GradientPenalty(nn.Module):
+    """A forward that runs a backward: an input-gradient penalty (`torch.autograd.grad`, create_graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(True)
+        out = self.body(x)
+        (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return F.mse_loss(out, y) + 0.1 * dx.pow(2).mean()
+
+
 class FrozenFirstLayer(nn.Module):
     """A frozen layer (requires_grad=False) in front of trained ones."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 import zero3
 from tests import models
@@ -22,6 +23,7 @@ MODELS = {
     "checkpointed": (models.CheckpointedTransformer, "tokens"),
     "frozen_layer": (models.FrozenFirstLayer, "x8"),
     "branchy": (models.Branchy, "branch"),
+    "gradient_penalty": (models.GradientPenalty, "x8"),
 }
 LR, WD, CLIP, MICRO = 3e-3, 0.01, 1.0, 4
 
@@ -41,7 +43,7 @@ def config(precision: str, gas: int, **zero: object) -> dict:
 
 def train_and_compare(
     rank: int, world: int, name: str, precision: str, steps: int, gas: int, use_init: bool, zero: dict,
-    grouped: bool = False,
+    grouped: bool = False, checkpoint_root: bool = False,
 ) -> dict:
     cls, kind = MODELS[name]
     cfg = config(precision, gas, **zero)
@@ -56,14 +58,21 @@ def train_and_compare(
     engine, _, _, _ = zero3.initialize(model=model, model_parameters=param_groups(model, grouped), config=cfg)
     data = models.batches(kind, steps, MICRO * gas * world)
     losses = []
+    states = set()  # between micro-steps
     for x, y in data:
         step_loss = torch.zeros(1)
         xs, ys = x.chunk(gas * world), y.chunk(gas * world)
         for k in range(gas):
             piece = k * world + rank
-            loss = models.loss_of(engine(xs[piece], ys[piece]), model)
+            if checkpoint_root:  # the whole forward runs again inside backward (reentrant: under no_grad first)
+                inputs = xs[piece].clone().requires_grad_()
+                output = torch.utils.checkpoint.checkpoint(engine, inputs, ys[piece], use_reentrant=True)
+            else:
+                output = engine(xs[piece], ys[piece])
+            loss = models.loss_of(output, model)
             engine.backward(loss)
             engine.step()
+            states.add(engine.coordinator.state)
             step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)
@@ -75,7 +84,8 @@ def train_and_compare(
         max_param_diff = max(max_param_diff, (full - ref_p.detach()).abs().max().item())
     statuses = {zero3.param_status(p) for p in model.parameters()}
     engine.destroy()
-    return {"losses": losses, "reference": ref_losses, "param_diff": max_param_diff, "statuses": statuses}
+    return {"losses": losses, "reference": ref_losses, "param_diff": max_param_diff, "statuses": statuses,
+            "states": states}
 
 
 def param_groups(model: torch.nn.Module, grouped: bool) -> list:
@@ -140,6 +150,16 @@ def test_activation_checkpointing_and_frozen_params(name: str) -> None:
     for result in run_ranks(2, train_and_compare, name, "fp32", 5, 1, True, {"stage3_prefetch_bucket_size": 4000}):
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("name, checkpoint_root", [("gradient_penalty", False), ("mlp", True)])
+def test_nested_passes_train_exactly(name: str, checkpoint_root: bool) -> None:
+    """A backward inside forward (a gradient penalty) and a forward inside backward (the root
+    checkpointed): each pass ends where it began, and training matches plain PyTorch."""
+    for result in run_ranks(2, train_and_compare, name, "fp32", 4, 1, False, {}, False, checkpoint_root):
+        assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
+        assert result["param_diff"] < 1e-5
+        assert {state.name for state in result["states"]} == {"IDLE"}
 
 
 def test_changing_module_order_never_breaks_prefetch() -> None:

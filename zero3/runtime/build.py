@@ -33,7 +33,7 @@ from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
-from zero3.partition.unit import GatherUnit
+from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
@@ -71,6 +71,42 @@ class EngineParts:
 
     def state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
         return state_buffers(self.lp_buffers, self.optimizer, state)
+
+    def refresh_gathered(self) -> None:
+        """Units still gathered (persistent, pinned) get the parameters' new values."""
+        for unit in self.all_units:
+            if unit.state is not UnitState.SHARDED:
+                unit.reshard()
+                unit.unshard()
+
+    def repair_lp(self) -> None:
+        """16-bit shards that do not follow their masters (a step failed on disk after writing some, or
+        a load put new masters in) are rewritten from the masters, and what is gathered follows."""
+        if self.optimizer is not None and self.optimizer.lp_stale:
+            self.optimizer.repair_lp()
+            self.refresh_gathered()
+
+    def check_between_steps(self, what: str) -> None:
+        """Refuse `engine.<what>()` inside a pass or a GatheredParameters block."""
+        if self.coordinator.in_forward or self.coordinator.in_backward:
+            raise RuntimeError(f"engine.{what}() was called inside a forward or backward; call it between steps")
+        pinned = [unit.label for unit in self.all_units if unit.holds(Hold.PIN)]
+        if pinned:
+            raise RuntimeError(
+                f"engine.{what}() was called inside GatheredParameters (gathered: {pinned}); call it after the block"
+            )
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model state, by state (the 16P/N of ZeRO-3)."""
+        states = {"lp_params": sum(buffer.nbytes for buffer in self.lp_buffers), "hp_params": 0, "lp_grads": 0,
+                  "optim_states": 0}
+        if self.optimizer is not None:
+            states.update(self.optimizer.state_bytes())
+        states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
+        states["total"] = sum(states.values())
+        # Scratch, not model state: reported beside the total, not in it.
+        states["contiguous_grad_buffer"] = self.reducer.scratch.nbytes if self.reducer.scratch is not None else 0
+        return states
 
     def close(self) -> None:
         """Close every part, the users of a part before the part (the engine is being destroyed)."""

@@ -31,6 +31,7 @@ gathered or in flight.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,25 @@ from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
+
+
+class TrainingState(enum.Enum):
+    """Where this rank is in a step (the coordinator's one record of it).
+
+    The nested states exist because real models nest passes: activation
+    checkpointing runs a forward inside backward, and a gradient penalty
+    (`torch.autograd.grad` in a forward) runs a backward inside forward.
+    """
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD = enum.auto()
+    FORWARD_IN_BACKWARD = enum.auto()
+    BACKWARD_IN_FORWARD = enum.auto()
+
+
+_IN_FORWARD = frozenset({TrainingState.FORWARD, TrainingState.FORWARD_IN_BACKWARD, TrainingState.BACKWARD_IN_FORWARD})
+_IN_BACKWARD = frozenset({TrainingState.BACKWARD, TrainingState.FORWARD_IN_BACKWARD, TrainingState.BACKWARD_IN_FORWARD})
 
 
 def expected_grads(unit: GatherUnit, grads: GradShards | None) -> int:
@@ -114,15 +134,14 @@ class ParamCoordinator:
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
-        self._forward_depth = 0
-        self._owns_forward_pass = False
+        self.state = TrainingState.IDLE
+        self._forward_depth = 0  # a root forward may call itself: only the outermost begins and ends the pass
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._by_storage: dict[int, GatherUnit] = {}
         self._root_returned: list[GatherUnit] = []
         # Units acquired by a forward since the last backward ended: only their
         # parameters can receive gradients (the reducer counts the others as zero).
         self.used_since_backward: set[GatherUnit] = set()
-        self._in_backward = False
         # Gradients each unit's backward still waits for: the unit is held until its last one is in.
         self._grads = grads
         self._grads_due: dict[GatherUnit, int] = {}
@@ -157,11 +176,11 @@ class ParamCoordinator:
     # ---- state ---------------------------------------------------------------
     @property
     def in_forward(self) -> bool:
-        return self._forward_depth > 0
+        return self.state in _IN_FORWARD
 
     @property
     def in_backward(self) -> bool:
-        return self._in_backward
+        return self.state in _IN_BACKWARD
 
     def observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         self.live.observe(unit, old, new)
@@ -205,8 +224,11 @@ class ParamCoordinator:
             self.persistent_unit.unshard()  # no-op unless an offload of lp_params released it
         self._release_root_returned()
         # A forward inside backward (a checkpointed root) gathers along the backward walk.
-        self._owns_forward_pass = self._walk is None
-        if self._owns_forward_pass:
+        if self.state is TrainingState.BACKWARD:
+            self.state = TrainingState.FORWARD_IN_BACKWARD
+        else:
+            self.state = TrainingState.FORWARD
+        if self._walk is None:
             self._walk = self.forward_walk
             self.forward_walk.begin()
         self._frames.append(_Frame(module, []))
@@ -230,8 +252,8 @@ class ParamCoordinator:
                     unit.acquire(Hold.FORWARD)
                     self._root_returned.append(unit)
             self._release_frame(frame)
-        if self._owns_forward_pass:
-            self._owns_forward_pass = False
+        self.state = TrainingState.BACKWARD if self.in_backward else TrainingState.IDLE
+        if self._walk is self.forward_walk:  # this forward began its own walk
             self._walk = None
             self.forward_walk.end()
 
@@ -291,16 +313,16 @@ class ParamCoordinator:
         return unit.unsharded.as_strided(saved.size, saved.stride, saved.offset)
 
     def hold_for_backward(self, unit: GatherUnit) -> None:
-        if not self._in_backward:
+        if not self.in_backward:
             self.begin_backward()  # a plain loss.backward()
         self.fetch(unit)
         unit.wait()
         unit.acquire(Hold.BACKWARD)
 
     def begin_backward(self) -> None:
-        if self._in_backward:
+        if self.in_backward:
             return
-        self._in_backward = True
+        self.state = TrainingState.BACKWARD_IN_FORWARD if self.in_forward else TrainingState.BACKWARD
         if self.backward_walk.passes == 0:
             # First backward: expect the reverse of the forward's gathers (the same on every rank).
             self.backward_walk.set_order(list(dict.fromkeys(reversed(self.forward_walk.order))))
@@ -325,9 +347,9 @@ class ParamCoordinator:
     def end_backward(self, extra: list[int] | None = None) -> list[list[int]]:
         """Leave the backward pass on every rank together; returns every rank's `extra` ints."""
         extras = [list(extra or [])]
-        if not self._in_backward:
+        if not self.in_backward:
             return extras
-        self._in_backward = False
+        self.state = TrainingState.FORWARD if self.in_forward else TrainingState.IDLE
         for unit in self.units:
             unit.release_all(Hold.BACKWARD)
         self._release_root_returned()
@@ -357,9 +379,9 @@ class ParamCoordinator:
                 unit.release(Hold.FORWARD)
         self._frames.clear()
         self._forward_depth = 0
-        self._owns_forward_pass = False
-        if self._in_backward:
+        if self.in_backward:
             self.end_backward()
+        self.state = TrainingState.IDLE
         if self._walk is not None:
             walk, self._walk = self._walk, None
             walk.end()

@@ -1,0 +1,194 @@
+"""The engine's checkpoint API: sharded save and load, exported weights, full-parameter streaming.
+
+A mixin of `ZeroEngine`. `zero3.checkpoint` does the work on a view of the
+engine (`CheckpointedEngine`); what is here checks the moment, lets go of what
+is gathered, and applies what a load returns (counters, loss scale, schedule).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.checkpoint import state as checkpoint_state
+from zero3.checkpoint import weights as checkpoint_weights
+from zero3.checkpoint.async_saves import AsyncSaves
+from zero3.comm import Communicator
+from zero3.offload.manager import StateOffloader
+from zero3.partition.collectives import ParamGather
+from zero3.runtime.build import EngineParts
+from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
+from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.runtime.optimizer import ZeroOptimizer
+
+log = logging.getLogger("zero3")
+
+
+class CheckpointMethods:
+    module: nn.Module
+    comm: Communicator
+    gather: ParamGather
+    parts: EngineParts
+    offloader: StateOffloader
+    saves: AsyncSaves
+    optimizer: ZeroOptimizer | None
+    loss_scaler: LossScaler | DynamicLossScaler
+    lr_scheduler: Any
+    global_rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    device: torch.device
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
+    _require_resident: Callable[..., None]
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        keep_last: int | None = None,
+        async_save: bool = False,
+    ) -> bool:
+        """Save this engine to `save_dir/<tag>` (default tag: global_step<N>); collective, every rank calls it.
+
+        Each rank writes its own pieces of every parameter's fp32 master and
+        Adam state (torch.distributed.checkpoint); no rank gathers the model.
+        `client_state` (any picklable object) comes back from load_checkpoint.
+        `latest` names the tag once every rank's files are complete (unless
+        `save_latest=False`); `keep_last=N` then removes older tags. With
+        `async_save=True` it returns once the state is copied to host memory
+        and the files are written in the background; the next save, load or
+        `destroy()` waits for them (and raises if they failed).
+        """
+        self._check_alive()
+        self.parts.check_between_steps("save_checkpoint")
+        self.wait_for_checkpoint()
+        self.parts.backward.finish()
+        self._require_resident("save_checkpoint", CHECKPOINT_NEEDS)
+        grads = self.parts.grads
+        if grads is not None and grads.any_arrived():
+            log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
+        written = checkpoint_state.save(
+            self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last,
+            self.saves.executor() if async_save else None,
+        )
+        self.saves.track(written)
+        return True
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+        max_shard_size: str | int = "5GB",
+    ) -> bool:
+        """Write the whole model's weights (in the compute dtype) as safetensors; collective.
+
+        Streams the parameters (`iter_full_params`: one gathered at a time,
+        read where they rest, so parked states stay parked); rank 0 writes. A
+        tied weight is written once. Above `max_shard_size` the files follow
+        Hugging Face's sharded layout (`model-00001-of-0000N.safetensors` and
+        an index).
+        """
+        self._check_alive()
+        self.parts.check_between_steps("save_16bit_model")
+        shard_bytes = checkpoint_weights.parse_size(max_shard_size)
+        checkpoint_weights.save_live(
+            self.global_rank, self.module, lambda names: self.iter_full_params(names=names),
+            save_dir, save_filename, shard_bytes, exclude_frozen_parameters,
+        )
+        self.comm.barrier()  # the files are complete on every rank's return
+        return True
+
+    def iter_full_params(
+        self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` for every parameter, whole, one gathered at a time; collective.
+
+        For handing weights to a generator: vLLM's `model.load_weights(weights=...)`,
+        SGLang's `update_weights_from_tensor` (see examples/generator_weights.py).
+        Every rank calls it with the same arguments and iterates it to the end.
+
+        A yielded tensor is valid only until the next item is requested: the
+        consumer copies it (as vLLM's load_weights does) and never modifies it
+        (it is a view of a buffer reused for the next parameter, or in a world
+        of one of the engine's own shard). Extra memory is that one buffer, the
+        size of the largest parameter streamed: at most the largest unit. A tied weight comes once, under its first name
+        (named_parameters order; with `names`, its first name listed). `names` restricts what is yielded; a name the
+        model does not have raises ValueError before anything is gathered.
+        `dtype` casts (None: the compute dtype, as stored). Works while states
+        are parked by offload_states, lp_params included: they are read where
+        they rest (host memory or disk), one parameter at a time, and stay
+        parked. Works with the offload_param tiers. Buffers are not yielded.
+        """
+        from zero3.runtime import full_params
+
+        self._check_alive()
+        self.parts.check_between_steps("iter_full_params")
+        self.parts.repair_lp()
+        return full_params.stream(
+            self.module, self.gather, self.offloader, self.compute_dtype if dtype is None else dtype, names,
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an async save still writing (raises its error, if it failed)."""
+        self.saves.wait()
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, Any]:
+        """Load `load_dir/<tag>` (default: the tag `latest` names), saved at any world size; collective.
+
+        Returns (the checkpoint's path, its client_state). The checkpoint is
+        checked first (the tag is complete, every name and shape matches this
+        model, every file matches its checksum, the optimizer is the same
+        kind): a failed check raises `zero3.CheckpointError` and changes
+        nothing. Accumulated gradients are dropped.
+        """
+        self._check_alive()
+        self.parts.check_between_steps("load_checkpoint")
+        self.wait_for_checkpoint()
+        self.parts.backward.finish()
+        self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
+        self.parts.coordinator.release_all()
+        restored = checkpoint_state.load(
+            self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+            load_module_strict,
+        )
+        self.parts.repair_lp()  # the load marked the 16-bit shards stale: they are written from the loaded masters
+        if self.optimizer is None:
+            self.parts.refresh_gathered()  # what is gathered follows the parameters loaded in place
+        if restored.counters is not None:
+            self.global_steps = restored.counters.global_steps
+            self.micro_steps = restored.counters.micro_steps
+            self.skipped_steps = restored.counters.skipped_steps
+            self.loss_scaler.load_state_dict(restored.loss_scaler)
+            if self.lr_scheduler is not None and restored.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(restored.lr_scheduler)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        return restored.path, restored.client_state
+
+    def _checkpointed(self) -> checkpoint_state.CheckpointedEngine:
+        return checkpoint_state.CheckpointedEngine(
+            module=self.module, comm=self.comm, rank=self.global_rank, world_size=self.world_size,
+            compute_dtype=self.compute_dtype, device=self.device, sharded_params=self.parts.sharded_params,
+            optimizer=self.optimizer, loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
+            host_pool=self.parts.host_pool,
+            counters=checkpoint_state.TrainingCounters(self.global_steps, self.micro_steps, self.skipped_steps),
+        )

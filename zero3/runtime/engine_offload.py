@@ -1,0 +1,99 @@
+"""The engine's state-offloading API (`offload_states`, `reload_states`, where each state lives).
+
+A mixin of `ZeroEngine`: the bodies are the offloader's; what is here checks
+the arguments and the moment, and lets go of every view of a state before it
+moves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero3.comm import Communicator
+from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, parse_state, parse_states
+from zero3.offload.manager import StateOffloader
+from zero3.offload.report import StateReport
+from zero3.partition.flat_buffer import StateOffloadedError
+from zero3.runtime.build import EngineParts
+
+# The states each training call reads or writes (a call refuses to run while one is offloaded).
+FORWARD_NEEDS = (OffloadStateType.lp_params,)
+BACKWARD_NEEDS = (OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.contiguous_grad_buffer)
+CHECKPOINT_NEEDS = (OffloadStateType.hp_params, OffloadStateType.lp_params, OffloadStateType.optim_states)
+STEP_NEEDS = (
+    OffloadStateType.hp_params, OffloadStateType.lp_params, OffloadStateType.lp_grads, OffloadStateType.optim_states,
+)
+
+
+class OffloadMethods:
+    comm: Communicator
+    parts: EngineParts
+    offloader: StateOffloader
+    _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
+
+    def offload_states(
+        self,
+        include: Any = None,
+        device: OffloadDevice | str = OffloadDevice.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+        nvme_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Move this rank's states off the device: `include` (None = all five) to "cpu" or "nvme" (disk).
+
+        Gathered parameters and in-flight prefetches are released first. The
+        disk tier writes under `nvme_path` (default: the config's
+        zero_optimization.offload_param.nvme_path). Offloading a state that is
+        already offloaded does nothing. Every argument is checked, and disk
+        space reserved, before anything moves. Call on every rank between
+        training steps (it has no collective).
+        """
+        self._check_alive()
+        states = parse_states(include)
+        target = parse_offload_device(device)
+        root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
+        self.parts.check_between_steps("offload_states")
+        self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back every offloaded state, bit-exact; recreate a freed scratch bucket.
+
+        With `non_blocking=True` the copies finish in the background and any
+        later use of a state waits for its copy.
+        """
+        self._check_alive()
+        self.parts.check_between_steps("reload_states")
+        self.offloader.reload(bool(non_blocking))
+
+    def state_devices(self, state: OffloadStateType | str) -> set[torch.device]:
+        """The devices whose memory holds `state` (see zero3.get_state_devices)."""
+        self._check_alive()
+        return self.offloader.devices(parse_state(state))
+
+    def state_report(self) -> StateReport:
+        """Per state, where it lives and its bytes there (a dict; `print()` it for a table)."""
+        self._check_alive()
+        return self.offloader.report()
+
+    def _prepare_offload(self, states: set[OffloadStateType]) -> None:
+        """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
+        parts = self.parts
+        parts.backward.finish()
+        parts.coordinator.release_all()
+        self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident
+        if OffloadStateType.lp_params in states and parts.persistent_unit is not None:
+            parts.persistent_unit.reshard()  # re-gathered by the next forward
+        if parts.optimizer is not None and states & {OffloadStateType.hp_params, OffloadStateType.optim_states}:
+            parts.optimizer.unbind_views()
+
+    def _require_resident(self, what: str, needed: tuple[OffloadStateType, ...]) -> None:
+        away = self.offloader.missing(needed)
+        if away:
+            names = ", ".join(state.value for state in away)
+            raise StateOffloadedError(
+                f"engine.{what}() needs {names}, offloaded by offload_states(); call engine.reload_states() first"
+            )
