@@ -98,11 +98,16 @@ class Job:
     breakdown: bool = False
     breakdown_out: str = ""
     trace_out: str = ""
+    # The config's optimizer section, as JSON (benchmarks/optimizers.py); "" is AdamW.
+    optimizer: str = ""
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
 
 
 def ds_config(
     micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none", precision: str = "bf16",
-    reduce_bucket_size: int | None = None,
+    reduce_bucket_size: int | None = None, optimizer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config used by zero3 (and by DeepSpeed, if present)."""
     zero: dict[str, Any] = {"stage": 3}
@@ -117,7 +122,7 @@ def ds_config(
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "optimizer": optimizer if optimizer is not None else ADAMW,
         "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": zero,
     }
@@ -196,7 +201,8 @@ def _device(job: Job) -> torch.device:
 def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
-    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size)
+    cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size,
+                    json.loads(job.optimizer) if job.optimizer else None)
     cfg["wall_clock_breakdown"] = job.breakdown
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg, device=_device(job)):
@@ -238,7 +244,8 @@ def _build_fsdp2(job: Job):
 def _build_deepspeed(job: Job):
     import deepspeed  # noqa: F401  (only reached when importable)
 
-    cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision, job.reduce_bucket_size)
+    cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision, job.reduce_bucket_size,
+                    json.loads(job.optimizer) if job.optimizer else None)
     torch.manual_seed(job.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)

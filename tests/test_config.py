@@ -12,6 +12,8 @@ import torch
 from zero3.config import (
     BatchSizes,
     ConfigError,
+    LionConfig,
+    TorchOptimizerConfig,
     WarmupCosineLRConfig,
     WarmupLRConfig,
     Zero3Config,
@@ -322,9 +324,37 @@ def test_optimizer_deepspeed_flags() -> None:
 
 
 def test_unknown_optimizer_type_lists_supported() -> None:
-    message = error_of({"optimizer": {"type": "SGD"}})
-    assert "optimizer.type" in message and '"SGD"' in message
-    assert "Adam" in message and "AdamW" in message
+    message = error_of({"optimizer": {"type": "OneBitAdam"}})
+    assert "optimizer.type" in message and '"OneBitAdam"' in message
+    assert "Adam, AdamW, Lion, Muon" in message and "torch.optim" in message
+
+
+@pytest.mark.parametrize(("written", "canonical"), [("sgd", "SGD"), ("Adagrad", "Adagrad"), ("rmsprop", "RMSprop"),
+                                                    ("NAdam", "NAdam"), ("radam", "RAdam"), ("Adamax", "Adamax")])
+def test_other_types_are_torch_optimizers(written: str, canonical: str) -> None:
+    cfg = load_config({"optimizer": {"type": written, "params": {"lr": 0.01}}})
+    assert isinstance(cfg.optimizer, TorchOptimizerConfig)
+    assert cfg.optimizer.type == canonical and cfg.optimizer.params == {"lr": 0.01}
+
+
+def test_torch_optimizer_arguments_are_checked_against_its_constructor() -> None:
+    message = error_of({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}})
+    assert "optimizer.params.betas: not an argument of torch.optim.SGD" in message and "momentum" in message
+    message = error_of({"optimizer": {"type": "SGD", "params": {"lr": -1.0}}})
+    assert "optimizer.params: torch.optim.SGD refuses them: Invalid learning rate: -1.0" in message
+
+
+@pytest.mark.parametrize("kind", ["LBFGS", "SparseAdam", "Adafactor"])
+def test_torch_optimizers_that_are_not_elementwise_are_refused(kind: str) -> None:
+    message = error_of({"optimizer": {"type": kind}})
+    assert f"optimizer.type: torch.optim.{kind} is not elementwise" in message
+
+
+def test_lion_type_and_defaults() -> None:
+    cfg = load_config({"optimizer": {"type": "lion", "params": {"lr": 3e-4}}})
+    assert isinstance(cfg.optimizer, LionConfig) and cfg.optimizer.type == "Lion"
+    assert cfg.optimizer.params.betas == (0.9, 0.99) and cfg.optimizer.params.weight_decay == 0.0
+    assert "optimizer.params.eps: unknown key" in error_of({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})
 
 
 def test_optimizer_type_required() -> None:

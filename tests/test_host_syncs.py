@@ -132,7 +132,7 @@ def nonfinite_static_step(rank: int, world: int) -> dict:
             torch.equal(before, after)
             and torch.equal(moment, zero3.safe_get_local_optimizer_state(model.fc1.weight, "exp_avg"))
         )
-    count = engine.optimizer.step_count(engine.sharded_params[0]).item()
+    count = engine.optimizer.scalar_state(engine.sharded_params[0])["step"].item()
     result = {"unchanged": unchanged, "skipped": engine.skipped_steps, "steps": count}
     engine.destroy()
     return result

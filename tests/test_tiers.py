@@ -272,7 +272,8 @@ def reserved_vs_written(rank: int, world: int, root: str) -> dict:
 
     engine, _ = build(tiers(root)["both_nvme"])  # max_in_cpu keeps some shards in host memory
     trainable = sum(sp.shard_numel for sp in engine.optimizer.params)
-    needs = disk_needs(engine.config, engine.all_units, engine.compute_dtype, trainable)
+    states = 1 + len(engine.optimizer.state_names)  # the master and Adam's two moments
+    needs = disk_needs(engine.config, engine.all_units, engine.compute_dtype, trainable, states)
     result = {
         "reserved": needs["zero_optimization.offload_param.nvme_path"][1],
         "file": engine.param_disk.file.nbytes,

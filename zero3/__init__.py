@@ -11,6 +11,7 @@ from zero3.accessors import (
 from zero3.checkpoint import CheckpointError
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
+from zero3.enums import ParamStatus as ZeroParamStatus  # DeepSpeed's name
 from zero3.offload import get_state_devices
 from zero3.offload.disk import OffloadIOError, StepIOError
 from zero3.offload.report import StateReport
@@ -38,6 +39,7 @@ __all__ = [
     "TierConfigError",
     "Zero3Config",
     "ZeroEngine",
+    "ZeroParamStatus",
     "get_state_devices",
     "initialize",
     "load_config",

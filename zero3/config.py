@@ -10,6 +10,7 @@ every pydantic error into one readable ``ConfigError``.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -22,7 +23,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -34,11 +37,14 @@ __all__ = [
     "ConfigError",
     "DataTypesConfig",
     "FP16Config",
+    "AdamConfig",
+    "LionConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
     "OptimizerParams",
     "SchedulerConfig",
+    "TorchOptimizerConfig",
     "WarmupCosineLRConfig",
     "WarmupCosineLRParams",
     "WarmupLRConfig",
@@ -89,7 +95,13 @@ class _Model(BaseModel):
 
 # --------------------------------------------------------------------- optimizer
 
-_OPTIMIZER_TYPES = ("Adam", "AdamW")
+_ADAM_TYPES = ("Adam", "AdamW")
+# zero3's own optimizer types; any other type names a torch.optim class.
+_OWN_TYPES = (*_ADAM_TYPES, "Lion")
+# torch.optim classes whose update is elementwise (LBFGS, SparseAdam, Adafactor and Muon are not).
+TORCH_ELEMENTWISE = frozenset(
+    {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adadelta"}
+)
 
 
 class OptimizerParams(_Model):
@@ -114,7 +126,9 @@ class OptimizerParams(_Model):
         return betas
 
 
-class OptimizerConfig(_Model):
+class AdamConfig(_Model):
+    """DeepSpeed's Adam and AdamW (its "Adam" decouples weight decay unless adam_w_mode is false)."""
+
     type: Literal["Adam", "AdamW"]
     params: OptimizerParams = OptimizerParams()
 
@@ -126,11 +140,11 @@ class OptimizerConfig(_Model):
         data = dict(data)  # never mutate the caller's config
         kind = data.get("type")
         if isinstance(kind, str):
-            canonical = {t.lower(): t for t in _OPTIMIZER_TYPES}.get(kind.lower())
+            canonical = {t.lower(): t for t in _ADAM_TYPES}.get(kind.lower())
             if canonical is None:
                 raise _KeyedError(
                     ("type",),
-                    f"unknown optimizer type; supported: {', '.join(_OPTIMIZER_TYPES)}",
+                    f"unknown optimizer type; supported: {', '.join(_ADAM_TYPES)}",
                     (kind,),
                 )
             data["type"] = canonical
@@ -143,7 +157,7 @@ class OptimizerConfig(_Model):
         return data
 
     @model_validator(mode="after")
-    def _mode_consistent(self) -> OptimizerConfig:
+    def _mode_consistent(self) -> AdamConfig:
         if self.type == "AdamW" and self.params.adam_w_mode is False:
             raise _KeyedError(
                 ("params.adam_w_mode",),
@@ -162,6 +176,113 @@ class OptimizerConfig(_Model):
         if self.type == "AdamW":
             return True
         return True if self.params.adam_w_mode is None else self.params.adam_w_mode
+
+
+class LionParams(_Model):
+    lr: float = Field(default=1e-4, gt=0)
+    betas: Annotated[tuple[float, float], Field(strict=False)] = (0.9, 0.99)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for beta in betas:
+            if not 0.0 <= beta <= 1.0:
+                raise ValueError("each beta must be in [0, 1]")
+        return betas
+
+
+class LionConfig(_Model):
+    """zero3.optim.Lion: the sign of an interpolated momentum."""
+
+    type: Literal["Lion"]
+    params: LionParams = LionParams()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_type(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str):
+            data = {**data, "type": "Lion"}
+        return data
+
+
+def _torch_optimizer_names() -> dict[str, str]:
+    return {
+        name.lower(): name for name in dir(torch.optim)
+        if isinstance(getattr(torch.optim, name), type) and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+        and name != "Optimizer"
+    }
+
+
+class TorchOptimizerConfig(_Model):
+    """Any other type names a torch.optim class (as in DeepSpeed), with its constructor's keyword
+    arguments as `params`; its update must be elementwise (see zero3.optim.spec)."""
+
+    type: str
+    params: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _torch_class_and_arguments(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("type")
+        if not isinstance(kind, str):
+            return data
+        canonical = _torch_optimizer_names().get(kind.lower())
+        if canonical is None:
+            raise _KeyedError(
+                ("type",),
+                f"unknown optimizer type; zero3's own: {', '.join((*_OWN_TYPES, 'Muon'))}; or a torch.optim class",
+                (kind,),
+            )
+        if canonical not in TORCH_ELEMENTWISE:
+            raise _KeyedError(
+                ("type",),
+                f"torch.optim.{canonical} is not elementwise: zero3 steps each rank's shard of a parameter on its "
+                f"own (elementwise torch types: {', '.join(sorted(TORCH_ELEMENTWISE))})",
+                (kind,),
+            )
+        params = data.get("params", {})
+        if not isinstance(params, dict):
+            return data  # the field's own error
+        optimizer_cls = getattr(torch.optim, canonical)
+        accepted = [name for name in inspect.signature(optimizer_cls.__init__).parameters if name not in ("self", "params")]
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise _KeyedError(
+                tuple(f"params.{key}" for key in unknown),
+                f"not an argument of torch.optim.{canonical} (its arguments: {', '.join(accepted)})",
+                tuple(params[key] for key in unknown),
+            )
+        params = {key: tuple(value) if isinstance(value, list) else value for key, value in params.items()}
+        try:
+            optimizer_cls([torch.zeros(1, requires_grad=True)], **params)
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise _KeyedError(("params",), f"torch.optim.{canonical} refuses them: {error}", (params,)) from None
+        return {**data, "type": canonical, "params": params}
+
+
+def _optimizer_kind(data: Any) -> str | None:
+    kind = data.get("type") if isinstance(data, dict) else getattr(data, "type", None)
+    if not isinstance(kind, str):
+        return None
+    lowered = kind.lower()
+    if lowered in ("adam", "adamw"):
+        return "adam"
+    if lowered == "lion":
+        return "lion"
+    return "torch"
+
+
+_UNION_TAGS = frozenset({"adam", "lion", "torch"})
+
+# The `optimizer` section: by its `type`, DeepSpeed's Adam family, Lion, or a torch.optim class.
+OptimizerConfig = Annotated[
+    Annotated[AdamConfig, Tag("adam")] | Annotated[LionConfig, Tag("lion")]
+    | Annotated[TorchOptimizerConfig, Tag("torch")],
+    Discriminator(_optimizer_kind),
+]
 
 
 # --------------------------------------------------------------------- scheduler
@@ -315,6 +436,8 @@ class ZeroConfig(_Model):
     contiguous_gradients: bool = True
     sub_group_size: _Size = Field(default=1_000_000_000, gt=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    # Accepted for DeepSpeed compatibility (its debugging checks of parameter status).
+    enable_sanity_checks: bool = False
     offload_param: Annotated[OffloadParamConfig, BeforeValidator(_none_as_empty)] = (
         OffloadParamConfig()
     )
@@ -372,6 +495,8 @@ class Zero3Config(_Model):
     gradient_predivide_factor: float = Field(default=1.0, gt=0)
     prescale_gradients: bool = False
     steps_per_print: int = Field(default=10, gt=0)
+    # The DataLoader initialize(training_data=...) returns drops a last, short batch (DeepSpeed's key).
+    dataloader_drop_last: bool = False
     wall_clock_breakdown: bool = False
 
     @model_validator(mode="after")
@@ -418,7 +543,10 @@ class Zero3Config(_Model):
         if "stage3_gather_16bit_weights_on_model_save" in zc.model_fields_set:
             note("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                  zc.stage3_gather_16bit_weights_on_model_save,
-                 "zero3 has no save_16bit_model yet")
+                 "save_16bit_model always writes the whole model, gathering one parameter at a time")
+        if "enable_sanity_checks" in zc.model_fields_set and zc.enable_sanity_checks:
+            note("zero_optimization.enable_sanity_checks", True,
+                 "zero3 checks a unit's holds on every release (a release it does not have is an error)")
         tiers = (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer))
         for key, tier in tiers:
             if tier.device == "none":
@@ -435,7 +563,7 @@ class Zero3Config(_Model):
             if field in self.aio.model_fields_set:
                 note(f"aio.{field}", getattr(self.aio, field),
                      "zero3's disk I/O keeps aio.queue_depth requests in flight on aio.thread_count threads")
-        if self.optimizer is not None and "torch_adam" in self.optimizer.params.model_fields_set:
+        if isinstance(self.optimizer, AdamConfig) and "torch_adam" in self.optimizer.params.model_fields_set:
             note("optimizer.params.torch_adam", self.optimizer.params.torch_adam,
                  "zero3 always steps torch's own fused Adam/AdamW kernel (on the host too)")
         if "gradient_predivide_factor" in self.model_fields_set and self.prescale_gradients:
@@ -529,7 +657,7 @@ def _key_path(loc: tuple[int | str, ...], data: Any) -> list[str]:
     parts: list[str] = []
     node = data
     for item in loc:
-        if isinstance(node, dict) and item not in node and node.get("type") == item:
+        if isinstance(node, dict) and item not in node and (node.get("type") == item or item in _UNION_TAGS):
             continue
         parts.append(f"[{item}]" if isinstance(item, int) else str(item))
         if isinstance(node, dict):
@@ -559,7 +687,8 @@ def _format_errors(error: ValidationError, data: Any) -> str:
             continue
         if kind in ("union_tag_invalid", "union_tag_not_found"):
             # The discriminator key itself is what is wrong or missing.
-            key = _join(parts + [str(ctx.get("discriminator", "type")).strip("'")])
+            discriminator = str(ctx.get("discriminator", "type")).strip("'")
+            key = _join(parts + ["type" if "(" in discriminator else discriminator])  # a callable's: the type
             if kind == "union_tag_not_found":
                 lines.append(f"{key}: required key is missing")
             else:

@@ -46,7 +46,7 @@ from zero3.partition.mesh import ShardMesh
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
-from zero3.runtime.optimizer import MOMENTS
+from zero3.optim import spec as optimizer_spec
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIERS = ("none", "cpu", "nvme")
@@ -84,6 +84,8 @@ class EstimateSettings:
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype (None: the precision)
     communication_dtype: str | None = None  # communication_data_type (None: the precision)
     accelerator: str = "cuda"  # the engine's device: "cpu" makes the device host memory
+    # fp32 states the optimizer keeps per element besides the master (Adam: 2; SGD with momentum: 1).
+    optimizer_states: int = 2
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, tuple(PRECISIONS))
@@ -94,7 +96,9 @@ class EstimateSettings:
             value = getattr(self, name)
             if value is not None:
                 _choice(name, value, tuple(PRECISIONS))
-        for name, least in (("reduce_bucket_size", 1), ("persistence_threshold", 0), ("max_in_cpu", 0)):
+        for name, least in (
+            ("reduce_bucket_size", 1), ("persistence_threshold", 0), ("max_in_cpu", 0), ("optimizer_states", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} {value!r}: expected a whole number >= {least}")
@@ -115,6 +119,7 @@ class EstimateSettings:
             grad_accum_dtype=config.data_types.grad_accum_dtype,
             communication_dtype=config.communication_data_type,
             accelerator=accelerator,
+            optimizer_states=_optimizer_states(config),
         )
 
     @property
@@ -128,6 +133,14 @@ class EstimateSettings:
     @property
     def comm_dtype(self) -> torch.dtype:
         return PRECISIONS[self.communication_dtype] if self.communication_dtype else self.compute_dtype
+
+
+def _optimizer_states(config: Zero3Config) -> int:
+    """How many elementwise states the config's optimizer keeps (Adam's count without one)."""
+    if config.optimizer is None:
+        return EstimateSettings.optimizer_states
+    layout = optimizer_spec.probe(optimizer_spec.from_config(config.optimizer), torch.device("cpu"))
+    return len(layout.elementwise)
 
 
 @dataclass(frozen=True)
@@ -219,7 +232,7 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places["lp_params"]["disk"] += layout.lp_on_disk * lp_size
     places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
     places["lp_grads"][grads_home] = layout.trainable * settings.grad_dtype.itemsize
-    places["optim_states"][optimizer_home] = len(MOMENTS) * layout.trainable * FP32_BYTES
+    places["optim_states"][optimizer_home] = settings.optimizer_states * layout.trainable * FP32_BYTES
     places["persistent_params"]["device"] = layout.persistent_gathered * lp_size
     places["contiguous_grad_buffer"]["device"] = layout.scratch * settings.comm_dtype.itemsize
     return places

@@ -3,8 +3,11 @@
 Per parameter, under its own name and global shape (see [Note: checkpoint
 chunks]): `model.<name>` is the fp32 master, or, for a parameter with no
 master (frozen, or an engine without an optimizer), the 16-bit values, which
-then cannot be derived; `optim.<name>.exp_avg` / `.exp_avg_sq` are Adam's
-moments and `optim.<name>.step` its step count. The 16-bit shards of trained
+then cannot be derived; `optim.<name>.<state>` is each elementwise state of
+the optimizer (Adam: `exp_avg`, `exp_avg_sq`) and each scalar one (Adam:
+`step`), for a parameter the optimizer has stepped (torch creates a
+parameter's state at its first step, and so does a load: a parameter saved
+without state gets none). The 16-bit shards of trained
 parameters are not saved: a load writes them from the masters. The engine's
 own state (step counters, loss scaler, scheduler, the optimizer's type and
 hyperparameters, the client state, each file's checksum) goes into
@@ -42,7 +45,6 @@ log = logging.getLogger("zero3")
 
 FORMAT = 1
 STAGING = "ckpt-staging:"  # host-pool keys of an async save's copies
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
@@ -74,14 +76,17 @@ class CheckpointedOptimizer(Protocol):
     params: list[ShardedParam]
     masters: Mapping[ShardedParam, MasterShards]
     optimizer: torch.optim.Optimizer  # torch's, stepping the masters: its type and hyperparameters are saved
+    state_names: tuple[str, ...]  # its elementwise states
     lp_stale: bool
 
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
 
-    def step_count(self, sp: ShardedParam) -> torch.Tensor: ...
+    def has_state(self, sp: ShardedParam) -> bool: ...
 
-    def set_step_count(self, sp: ShardedParam, count: torch.Tensor) -> None: ...
+    def scalar_state(self, sp: ShardedParam) -> dict[str, torch.Tensor]: ...
+
+    def set_state(self, sp: ShardedParam, scalars: dict[str, torch.Tensor] | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -123,18 +128,35 @@ class Restored:
     lr_scheduler: dict[str, Any] | None
 
 
-def entries(engine: CheckpointedEngine, optimizer_states: bool) -> dict[str, Any]:
-    """This rank's state-dict for DCP (views of the engine's buffers where they are in memory)."""
+def entries(engine: CheckpointedEngine, optimizer_states: bool, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's state-dict for DCP (views of the engine's buffers where they are in memory).
+
+    For a save, a parameter's optimizer state is there if it has one; for a load (`saved`: the
+    checkpoint's metadata), if the checkpoint has one (its scalars read into fresh tensors).
+    """
     out: dict[str, Any] = {}
     optimizer = engine.optimizer
     for sp in engine.sharded_params:
         slots = optimizer.masters.get(sp) if optimizer is not None else None
         if optimizer is not None and slots is not None:
             out[f"model.{sp.name}"] = _chunks(sp, slots.hp, torch.float32)
-            if optimizer_states:
-                for name in MOMENTS:
-                    out[f"optim.{sp.name}.{name}"] = _chunks(sp, slots.moments[name], torch.float32)
-                out[f"optim.{sp.name}.step"] = optimizer.step_count(sp).clone()
+            prefix = f"optim.{sp.name}."
+            if not optimizer_states:
+                continue
+            if saved is None:
+                if optimizer.has_state(sp):
+                    for name in optimizer.state_names:
+                        out[prefix + name] = _chunks(sp, slots.moments[name], torch.float32)
+                    for name, value in optimizer.scalar_state(sp).items():
+                        out[prefix + name] = value
+            elif any(key.startswith(prefix) for key in saved):
+                for name in optimizer.state_names:
+                    out[prefix + name] = _chunks(sp, slots.moments[name], torch.float32)
+                for key, meta in saved.items():
+                    scalar = key[len(prefix):]
+                    if key.startswith(prefix) and scalar not in optimizer.state_names and "." not in scalar:
+                        if isinstance(meta, TensorStorageMetadata):
+                            out[key] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         else:
             assert sp.lp_slot is not None
             out[f"model.{sp.name}"] = _chunks(sp, sp.lp_slot, sp.dtype)
@@ -162,6 +184,7 @@ def _engine_state(engine: CheckpointedEngine, client_state: Any) -> dict[str, An
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer": None if optimizer is None else {
             "type": type(optimizer.optimizer).__name__,
+            "state_names": list(optimizer.state_names),
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         },
         "params": {sp.name: list(sp.shape) for sp in engine.sharded_params},
@@ -320,8 +343,8 @@ def load(
                 f"{str(path / ENGINE_FILE)!r}: the checkpoint has {len(saved['param_groups'])} optimizer parameter "
                 f"groups, this engine {len(optimizer.param_groups)}"
             )
-    wanted = entries(engine, optimizer_states=with_optimizer)
     saved_entries = _read_metadata(path)
+    wanted = entries(engine, optimizer_states=with_optimizer, saved=saved_entries)
     problems = _misfits(saved_entries, wanted, strict)
     if problems:
         raise CheckpointError(
@@ -342,7 +365,11 @@ def load(
     if optimizer is not None:
         if with_optimizer:
             for sp in optimizer.params:
-                optimizer.set_step_count(sp, wanted[f"optim.{sp.name}.step"])
+                prefix = f"optim.{sp.name}."
+                stepped = any(key.startswith(prefix) for key in wanted)
+                scalars = {key[len(prefix):]: value for key, value in wanted.items()
+                           if key.startswith(prefix) and isinstance(value, torch.Tensor)}
+                optimizer.set_state(sp, scalars if stepped else None)
             for group, saved_group in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
                 group.update(saved_group)
         optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters (the engine rewrites them)

@@ -2,7 +2,8 @@
 
 The optimizer never touches these buffers directly during a step: it asks
 its tier to `walk` the sub-groups, and the tier hands each sub-group's
-window (the fp32 master and the two moments, as 1-D tensors) to a visitor
+window (the fp32 master and each of the optimizer's elementwise states, as
+1-D tensors; "hp_params" and, for Adam, "exp_avg" and "exp_avg_sq") to a visitor
 that steps it. A memory tier hands out views of its flat buffers; the disk
 tier streams windows through host memory.
 
@@ -32,7 +33,6 @@ from zero3.offload.disk import DiskFile, FileIO, StepIOError, Transfer
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import FlatBuffer
 
-STATE_NAMES = ("hp_params", "exp_avg", "exp_avg_sq")
 FP32_BYTES = 4
 
 # (sub-group index, its window: state name -> 1-D fp32 tensor)
@@ -62,12 +62,12 @@ class MemoryOptimizerStates:
 
     transactional = False
 
-    def __init__(self, numel: int, device: torch.device, pin: bool) -> None:
+    def __init__(self, names: tuple[str, ...], numel: int, device: torch.device, pin: bool) -> None:
         self.buffers = {
             name: FlatBuffer(
                 name, torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin), state=_state_of(name)
             )
-            for name in STATE_NAMES
+            for name in names
         }
         self.step_device = self.buffers["hp_params"].device  # the step runs where the state is
 
@@ -107,19 +107,21 @@ class DiskOptimizerStates:
     transactional = True
 
     def __init__(
-        self, numel: int, disk: FileIO, pool: HostBufferPool, root: Path, buffer_count: int, window_numel: int
+        self, names: tuple[str, ...], numel: int, disk: FileIO, pool: HostBufferPool, root: Path, buffer_count: int,
+        window_numel: int,
     ) -> None:
+        self.names = names
         self.disk = disk
         self.pool = pool
         self.step_device = torch.device("cpu")  # the step runs in the host windows
         self.buffer_count = buffer_count
         self.window_numel = window_numel
-        names = {f"{name}.{generation}": numel * FP32_BYTES for generation in "AB" for name in STATE_NAMES}
+        files = {f"{name}.{generation}": numel * FP32_BYTES for generation in "AB" for name in names}
         # Both generations reserved at once: too little space fails here, before anything is written.
-        self.files = disk.reserve(root, names, purpose="keep the optimizer state (offload_optimizer)")
+        self.files = disk.reserve(root, files, purpose="keep the optimizer state (offload_optimizer)")
         self.generation = "A"
         self.buffers: dict[str, FlatBuffer] = {}
-        for name in STATE_NAMES:
+        for name in names:
             buffer = FlatBuffer(name, torch.empty(numel, dtype=torch.float32, device="meta"), state=_state_of(name))
             buffer.keep_in(_GenerationFile(self, name), "lives on disk (zero_optimization.offload_optimizer)")
             self.buffers[name] = buffer
@@ -133,7 +135,7 @@ class DiskOptimizerStates:
     def _window(self, key: int) -> _Window:
         return _Window(key, {
             name: self.pool.get(f"optim-window:{key}:{name}", self.window_numel, torch.float32, pin=False)
-            for name in STATE_NAMES
+            for name in self.names
         })
 
     def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
@@ -157,7 +159,7 @@ class DiskOptimizerStates:
                 window = free.popleft()
                 offset, numel = ranges[next_read]
                 futures = [
-                    future for name in STATE_NAMES
+                    future for name in self.names
                     for future in self.disk.read(
                         self.files[f"{name}.{source}"], window.tensors[name][:numel], offset * FP32_BYTES
                     )
@@ -200,7 +202,7 @@ class DiskOptimizerStates:
                 if index not in skip:
                     visit(index, views)
                 futures = [
-                    future for name in STATE_NAMES
+                    future for name in self.names
                     for future in self.disk.write(self.files[f"{name}.{target}"], views[name], offset * FP32_BYTES)
                 ]
                 window.transfer = Transfer(lambda error: None).track(futures)

@@ -22,7 +22,7 @@ from zero3 import accelerator
 from zero3.config import Zero3Config
 from zero3.offload.disk import FileIO
 from zero3.offload.host import HostBufferPool
-from zero3.offload.optimizer_tier import STATE_NAMES, DiskOptimizerStates, MemoryOptimizerStates, OptimizerStates
+from zero3.offload.optimizer_tier import DiskOptimizerStates, MemoryOptimizerStates, OptimizerStates
 from zero3.offload.param_tier import DiskShardTier, HostShardSource, split_units
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.partitioner import consolidate_lp
@@ -129,20 +129,28 @@ def lay_out_params(
 
 def optimizer_states(
     config: Zero3Config, device: torch.device, disk: FileIO, pool: HostBufferPool,
-) -> Callable[[int, int], OptimizerStates]:
-    """How the optimizer makes its fp32 states, given (total elements, largest sub-group)."""
+) -> Callable[[tuple[str, ...], int, int], OptimizerStates]:
+    """How the optimizer makes its fp32 states, given (their names, total elements, largest sub-group)."""
     tier = config.zero_optimization.offload_optimizer
 
-    def make(numel: int, largest_sub_group: int) -> OptimizerStates:
+    def make(names: tuple[str, ...], numel: int, largest_sub_group: int) -> OptimizerStates:
         if tier.device == "nvme":
             assert tier.nvme_path is not None
-            return DiskOptimizerStates(numel, disk, pool, Path(tier.nvme_path), tier.buffer_count, largest_sub_group)
+            return DiskOptimizerStates(
+                names, numel, disk, pool, Path(tier.nvme_path), tier.buffer_count, largest_sub_group,
+            )
         if tier.device == "cpu":
             pin = tier.pin_memory and accelerator.supports_pinned_memory(device)
-            return MemoryOptimizerStates(numel, torch.device("cpu"), pin)
-        return MemoryOptimizerStates(numel, device, pin=False)
+            return MemoryOptimizerStates(names, numel, torch.device("cpu"), pin)
+        return MemoryOptimizerStates(names, numel, device, pin=False)
 
     return make
+
+
+def step_device(config: Zero3Config, device: torch.device) -> torch.device:
+    """Where the optimizer steps: the host for ZeRO-Offload and for a disk tier (its windows are in host
+    memory), else the device."""
+    return torch.device("cpu") if config.zero_optimization.offload_optimizer.device in ("cpu", "nvme") else device
 
 
 def grad_device(config: Zero3Config, device: torch.device) -> torch.device:
@@ -151,10 +159,11 @@ def grad_device(config: Zero3Config, device: torch.device) -> torch.device:
 
 
 def disk_needs(
-    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, trainable_numel: int,
+    config: Zero3Config, units: list[GatherUnit], dtype: torch.dtype, trainable_numel: int, optimizer_states: int,
 ) -> dict[str, tuple[str, int]]:
     """Bytes each disk tier will reserve: the parameter shards `max_in_cpu` leaves on disk (as
-    `lay_out_params` splits them), the optimizer's state in two generations."""
+    `lay_out_params` splits them), the optimizer's `optimizer_states` fp32 states (the master
+    and each elementwise state) in two generations."""
     zc = config.zero_optimization
     needs: dict[str, tuple[str, int]] = {}
     if zc.offload_param.device == "nvme":
@@ -165,6 +174,6 @@ def disk_needs(
     if zc.offload_optimizer.device == "nvme":
         assert zc.offload_optimizer.nvme_path is not None
         needs["zero_optimization.offload_optimizer.nvme_path"] = (
-            zc.offload_optimizer.nvme_path, 2 * len(STATE_NAMES) * 4 * trainable_numel,
+            zc.offload_optimizer.nvme_path, 2 * optimizer_states * 4 * trainable_numel,
         )
     return needs

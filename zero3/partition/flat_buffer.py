@@ -157,6 +157,15 @@ class FlatBuffer:
         # must land before the host reads it, so it stays blocking.
         target.copy_(values.reshape(-1), non_blocking=target.device.type == "cuda" and values.device.type == "cpu")
 
+    def fill(self, value: float, chunk_numel: int = 1 << 20) -> None:
+        """Every element set to `value`, in memory or on its file (a chunk at a time there)."""
+        if not (self.store is not None and self._tensor.is_meta):
+            self.tensor.fill_(value)
+            return
+        chunk = torch.full((min(chunk_numel, self.numel),), value, dtype=self.dtype)
+        for offset in range(0, self.numel, chunk.numel()):
+            self.write_range(offset, chunk[: min(chunk.numel(), self.numel - offset)])
+
     def wait(self) -> None:
         """Run the pending completion, if any (it may raise; it runs only once)."""
         complete, self._complete = self._complete, None

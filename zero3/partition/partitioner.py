@@ -9,6 +9,7 @@ from zero3.partition import param_dict
 from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam, sharded
+from zero3.partition import ds_attributes
 from zero3.partition.unit import GatherUnit, ShardSource, unit_of
 
 
@@ -34,6 +35,8 @@ class Partitioner:
             ShardedParam(p, f"{label}.{name}" if label else name, self.gather.mesh, self.dtype, self.device)
             for name, p in fresh
         ]
+        for sp in sps:
+            ds_attributes.wear(sp)
         unit = GatherUnit(sps, self.gather, label or type(module).__name__)
         buffer = FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device)
         unit.assign_lp(buffer, 0)

@@ -27,8 +27,11 @@ from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
 from zero3.offload.param_tier import DiskShardTier
-from zero3.offload.tiers import check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states
-from zero3.partition import param_dict
+from zero3.offload.tiers import (
+    check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states, step_device,
+)
+from zero3.optim.spec import OptimizerSpec, probe
+from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.partitioner import Partitioner, build_units
@@ -122,6 +125,7 @@ class EngineParts:
             sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
             if hasattr(sp.param, ATTR):
                 delattr(sp.param, ATTR)
+            ds_attributes.take_off(sp.param)
             sp.lp_slot = None
         self.reducer.close()
         self.reducer.scratch = None
@@ -139,27 +143,35 @@ class EngineParts:
 
 def build(
     model: nn.Module, config: Zero3Config, comm: Communicator, gather: ParamGather, device: torch.device,
-    model_parameters: Iterable[Any] | None, rank: int,
+    model_parameters: Iterable[Any] | None, rank: int, spec: OptimizerSpec | None,
 ) -> EngineParts:
-    """Partition `model` and build every part around it, wired (see the Note)."""
+    """Partition `model` and build every part around it, wired (see the Note); `spec` is the
+    optimizer (from the config or the client's), None for an engine that does not train."""
     zc = config.zero_optimization
     compute_dtype = config.compute_dtype
+    # What the optimizer keeps per element, learned before anything is partitioned or reserved.
+    state_layout = probe(spec, step_device(config, device)) if spec is not None else None
     partition(model, gather, device, compute_dtype)
     units, module_units, persistent_unit = build_units(model, gather, zc.stage3_param_persistence_threshold)
     all_units = units + ([persistent_unit] if persistent_unit is not None else [])
     sharded_params = [sp for unit in all_units for sp in unit.params]
-    groups = optimizer_groups(model, model_parameters, sharded_params) if config.optimizer is not None else []
+    if spec is not None and spec.groups is not None:
+        model_parameters = [{"params": params, **options} for params, options in zip(spec.groups, spec.group_options)]
+    groups = optimizer_groups(model, model_parameters, sharded_params) if spec is not None else []
 
     # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
     disk = ThreadPoolFileIO(rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
     host_pool = HostBufferPool(device)
     trainable = [sp for sps, _ in groups for sp in sps]
-    check_free_space(disk_needs(config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable)))
+    optimizer_state_count = 1 + len(state_layout.elementwise) if state_layout is not None else 0
+    check_free_space(disk_needs(
+        config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
+    ))
     layout = lay_out_params(config, all_units, compute_dtype, device, disk)
 
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
     grads = None
-    if config.optimizer is not None:
+    if spec is not None:
         grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
     reducer = GradientReducer(
         GradReduce(gather.mesh, comm), trainable, config.communication_dtype, device,
@@ -167,8 +179,8 @@ def build(
     )
     loss_scaler = build_loss_scaler(config.fp16)
     optimizer = None
-    if config.optimizer is not None:
-        assert grads is not None
+    if spec is not None:
+        assert grads is not None and state_layout is not None
         sub_group_size = zc.sub_group_size
         if zc.offload_optimizer.device == OffloadDevice.none:
             # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
@@ -177,9 +189,11 @@ def build(
             sub_group_size = max(1, min(sub_group_size, scratch_bytes // 4))
         # The step makes its fp32 gradients in the reduce bucket, idle by then (see ZeroOptimizer).
         optimizer = ZeroOptimizer(
-            groups, config.optimizer, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
+            groups, spec, state_layout, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
             optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
         )
+        if spec.client is not None:
+            optimizer.read_client_state(spec.client)
     for sp in sharded_params:
         sp.hp_seed = None  # frozen parameters keep no master
 

@@ -16,6 +16,7 @@ from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.offload.tiers import check_tiers
+from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
 from zero3.partition.mesh import ShardMesh
 from zero3.partition.unit import GatherUnit
@@ -26,6 +27,8 @@ from zero3.runtime.lr_schedules import build_lr_scheduler
 from zero3.runtime.timers import StepTimers
 
 log = logging.getLogger("zero3")
+
+NO_OPTIMIZER = "needs an optimizer: the config has no 'optimizer' section and initialize was given none"
 
 class ZeroEngine(CheckpointMethods, OffloadMethods):
     """Wraps a model: partitioned parameters, hooks, gradient reduction, optimizer.
@@ -42,6 +45,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         device: torch.device,
         model_parameters: Iterable[Any] | None,
         lr_scheduler: Any = None,
+        client_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.module = model
         self.config = config
@@ -65,8 +69,19 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
             for message in config.ignored_settings():
                 log.warning("%s", message)
 
+        spec = None
+        if client_optimizer is not None:
+            if config.optimizer is not None:
+                raise ValueError(
+                    f"a client optimizer ({type(client_optimizer).__name__}) was passed beside the config's "
+                    "'optimizer' section; give one or the other"
+                )
+            spec = optimizer_spec.from_client(client_optimizer)
+        elif config.optimizer is not None:
+            spec = optimizer_spec.from_config(config.optimizer)
+
         comm.open_side_groups()
-        self.parts = build(model, config, comm, self.gather, device, model_parameters, self.global_rank)
+        self.parts = build(model, config, comm, self.gather, device, model_parameters, self.global_rank, spec)
         parts = self.parts
         self.units, self.persistent_unit, self.sharded_params = parts.units, parts.persistent_unit, parts.sharded_params
         self.disk, self.host_pool, self.lp_buffers, self.param_disk = (
@@ -126,7 +141,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer is None:
-            raise RuntimeError("engine.backward needs an optimizer: the config has no 'optimizer' section")
+            raise RuntimeError(f"engine.backward {NO_OPTIMIZER}")
         self._require_resident("backward", BACKWARD_NEEDS)
         factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -158,7 +173,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         """Count a micro-step; at the accumulation boundary, step the optimizer."""
         self._check_alive()
         if self.optimizer is None:
-            raise RuntimeError("engine.step needs an optimizer: the config has no 'optimizer' section")
+            raise RuntimeError(f"engine.step {NO_OPTIMIZER}")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
+from zero3.optim import spec as optimizer_spec
 from zero3.partition.mesh import ShardMesh
+from zero3.runtime.dataloader import check_dataset, training_loader
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.optimizer import ZeroOptimizer
 
@@ -24,13 +27,18 @@ def initialize(
     training_data: Any = None,
     config_params: dict | None = None,
     device: torch.device | str | None = None,
-) -> tuple[ZeroEngine, ZeroOptimizer | None, None, Any]:
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> tuple[ZeroEngine, ZeroOptimizer | None, DataLoader | None, Any]:
     """Returns (engine, optimizer, dataloader, lr_scheduler), as DeepSpeed does.
 
-    The optimizer comes from the config's `optimizer` section; a client
-    optimizer instance cannot be sharded and is refused. `lr_scheduler` may be
-    a scheduler factory taking the torch optimizer. `training_data` is not
-    supported (the dataloader slot is always None). `device` picks the device
+    The optimizer comes from the config's `optimizer` section, or is the
+    client's `optimizer` (a torch.optim.Optimizer whose update is elementwise:
+    the engine builds the same class, hyperparameters and groups over its fp32
+    shards, and takes over any state it has; the client object is not used
+    afterwards). Not both. `training_data` (a map-style dataset) comes back
+    as a DataLoader over this rank's share of it (see zero3.runtime.dataloader),
+    batched by `collate_fn` if given. `lr_scheduler` may be
+    a scheduler factory taking the torch optimizer. `device` picks the device
     as `zero3.Init` does (see `zero3.accelerator.resolve_device`).
     """
     if config is not None and config_params is not None:
@@ -39,14 +47,24 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None:
-        raise ValueError(
-            "zero3 builds its sharded optimizer from the config's 'optimizer' section; "
-            f"a client optimizer ({type(optimizer).__name__}) cannot be sharded"
-        )
+        if cfg.optimizer is not None:
+            raise ValueError(
+                f"a client optimizer ({type(optimizer).__name__}) was passed beside the config's 'optimizer' "
+                "section; give one or the other"
+            )
+        optimizer_spec.from_client(optimizer)  # refused before anything is set up
     if training_data is not None:
-        raise ValueError("training_data is not supported: build your DataLoader yourself")
+        check_dataset(training_data)
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.init_distributed(device)
-    engine = ZeroEngine(model, cfg, comm.Communicator(), ShardMesh.of_group(), device, model_parameters, lr_scheduler)
-    return engine, engine.optimizer, None, engine.lr_scheduler
+    engine = ZeroEngine(
+        model, cfg, comm.Communicator(), ShardMesh.of_group(), device, model_parameters, lr_scheduler, optimizer,
+    )
+    loader = None
+    if training_data is not None:
+        loader = training_loader(
+            training_data, engine.batch.micro_batch_per_gpu, engine.global_rank, engine.world_size, collate_fn,
+            cfg.dataloader_drop_last,
+        )
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,26 +1,30 @@
-"""The sharded optimizer: fp32 master shards, flat moments, clipping, loss scaling.
+"""The sharded optimizer: fp32 master shards, flat optimizer states, clipping, loss scaling.
 
 [Note: optimizer layout]
-Trainable parameters are laid out in optimizer-group order in four flat
-buffers with one shared offset map: `hp_params` (fp32 master), `lp_grads`
-(16-bit reduced gradients), and `exp_avg` / `exp_avg_sq` (the
-`optim_states`). The fp32 buffers belong to a tier (zero3.offload's
-optimizer tier): on the device, in host memory (ZeRO-Offload) or in files
-(ZeRO-Infinity); `lp_grads` stays in memory in every tier. Each group's
-range is cut into sub-groups of `sub_group_size` elements (the last one
-shorter), splitting a parameter's shard where a cut falls in it: Adam is
-elementwise, so a shard stepped in two pieces gets the same values as in
-one, and a disk tier's windows stay `sub_group_size` however large one
-parameter is (a 50k-vocab embedding would otherwise size them all). A step
-walks the sub-groups: the tier hands each one's window of master and
-moments to `_step_sub_group`, which makes the sub-group's fp32 gradients
-from `lp_grads` (they exist only while it steps), points torch's
-Adam/AdamW at the window (each piece's master a view, its moments views,
-in the optimizer state) and steps it. So a parameter that got no gradient
-this step is skipped exactly as torch skips it (no decay, no moment update,
-no step count). The new 16-bit shards are written from each sub-group's
-masters once it has stepped (or, when they live on disk beside masters kept
-in memory, after the walk: see `step`).
+Trainable parameters are laid out in optimizer-group order in flat buffers
+with one shared offset map: `hp_params` (fp32 master), `lp_grads` (16-bit
+reduced gradients), and one per elementwise state of the optimizer (Adam:
+`exp_avg`, `exp_avg_sq`; together the `optim_states`; see zero3.optim.spec).
+The fp32 buffers belong to a tier (zero3.offload's optimizer tier): on the
+device, in host memory (ZeRO-Offload) or in files (ZeRO-Infinity);
+`lp_grads` stays in memory in every tier. Each group's range is cut into
+sub-groups of `sub_group_size` elements (the last one shorter), splitting a
+parameter's shard where a cut falls in it: the update is elementwise, so a
+shard stepped in two pieces gets the same values as in one, and a disk
+tier's windows stay `sub_group_size` however large one parameter is (a
+50k-vocab embedding would otherwise size them all). A step walks the
+sub-groups: the tier hands each one's window to `_step_sub_group`, which
+makes the sub-group's fp32 gradients from `lp_grads` (they exist only while
+it steps), points torch's optimizer at the window (each piece's master a
+view, its states views, in the optimizer state) and steps it. So a
+parameter that got no gradient this step is skipped exactly as torch skips
+it. A piece's state is created by torch itself at its first step (as the
+class does it: SGD's momentum is the first gradient, Adagrad's sum starts at
+`initial_accumulator_value`) and then moved into the flat buffers
+(`_adopt`); from then on torch updates it in place there. The new 16-bit
+shards are written from each sub-group's masters once it has stepped (or,
+when they live on disk beside masters kept in memory, after the walk: see
+`step`).
 """
 
 from __future__ import annotations
@@ -34,15 +38,14 @@ import torch
 from torch import nn
 
 from zero3.comm import Communicator
-from zero3.config import OptimizerConfig
 from zero3.offload.disk import StepIOError
 from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.flat_buffer import Slot
+from zero3.optim import spec as optimizer_spec
+from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Piece:
 
 @dataclass
 class MasterSlots:
-    """One parameter's optimizer-side shards: its fp32 master and its moments."""
+    """One parameter's optimizer-side shards: its fp32 master and its elementwise states ("moments")."""
 
     hp: Slot
     moments: dict[str, Slot]
@@ -85,14 +88,15 @@ class ZeroOptimizer:
     def __init__(
         self,
         groups: list[tuple[list[ShardedParam], dict[str, Any]]],
-        config: OptimizerConfig,
+        spec: OptimizerSpec,
+        state_layout: StateLayout,
         comm: Communicator,
         device: torch.device,
         grads: GradShards,
         sub_group_size: int,
         gradient_clipping: float,
         loss_scaler: LossScaler | DynamicLossScaler,
-        make_states: Callable[[int, int], OptimizerStates],
+        make_states: Callable[[tuple[str, ...], int, int], OptimizerStates],
         borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
     ) -> None:
         self.comm = comm
@@ -104,9 +108,12 @@ class ZeroOptimizer:
         runs_by_group = [_split(sps, sub_group_size) for sps, _ in groups]
         largest = max((sum(piece.numel for piece in run) for runs in runs_by_group for run in runs), default=0)
         # (total elements, the largest sub-group): the tier sizes its buffers or windows from them.
-        self.states = make_states(total, largest)
+        self.spec = spec
+        self.state_names = state_layout.elementwise
+        self.scalar_names = state_layout.scalars
+        self.states = make_states(("hp_params", *self.state_names), total, largest)
         self.hp_params = self.states.buffers["hp_params"]
-        self.moments = {name: self.states.buffers[name] for name in MOMENTS}
+        self.moments = {name: self.states.buffers[name] for name in self.state_names}
         # The reduced gradients (the engine's, laid out in this optimizer's order): accumulated across
         # micro-steps in grad_accum_dtype; DeepSpeed's name `lp_grads` whatever that dtype is.
         if grads.params != self.params:
@@ -147,18 +154,16 @@ class ZeroOptimizer:
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
-        # Torch's fused kernel on either device: on the host it beats foreach and keeps up with
-        # DeepSpeedCPUAdam at large sub-groups (benchmarks/host_adam.py; figures in the README).
-        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-        p = config.params
-        self.optimizer = cls(
-            torch_groups, lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay, fused=True,
-        )
-        for sub in self.sub_groups:
-            for master in sub.masters:
-                self.optimizer.state[master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=self.step_device)
-                }
+        # Torch's fused kernel where the class has one (on the host Adam's beats foreach and keeps up
+        # with DeepSpeedCPUAdam at large sub-groups: benchmarks/host_adam.py).
+        self.optimizer, self.fused = optimizer_spec.build(spec, torch_groups)
+        # Pieces whose state torch has not created yet (see the Note); adopted after their first step.
+        self._fresh: set[nn.Parameter] = {master for sub in self.sub_groups for master in sub.masters}
+        if state_layout.eager:
+            # Made in the constructor, over the empty placeholders: filled here as the class fills them.
+            for name, fill in state_layout.eager.items():
+                self.moments[name].fill(fill)
+            self._fresh.clear()
         # Steps skipped on the device (a non-finite gradient under a static loss scale), read only when asked.
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
@@ -192,8 +197,23 @@ class ZeroOptimizer:
         for piece, master in zip(sub.pieces, sub.masters):
             master.data = window["hp_params"][cursor : cursor + piece.numel]
             state = self.optimizer.state[master]
-            for name in MOMENTS:
-                state[name] = window[name][cursor : cursor + piece.numel]
+            for name in self.state_names:
+                if name in state:
+                    state[name] = window[name][cursor : cursor + piece.numel]
+            cursor += piece.numel
+
+    def _adopt(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
+        """Move the state torch created at a piece's first step into the flat buffers (see the Note)."""
+        cursor = 0
+        for piece, master in zip(sub.pieces, sub.masters):
+            state = self.optimizer.state[master]
+            if master in self._fresh and state:
+                for name in self.state_names:
+                    if name in state:
+                        view = window[name][cursor : cursor + piece.numel]
+                        view.copy_(state[name])
+                        state[name] = view
+                self._fresh.discard(master)
             cursor += piece.numel
 
     def unbind_views(self) -> None:
@@ -202,8 +222,9 @@ class ZeroOptimizer:
             for master in sub.masters:
                 master.data = torch.empty(0, device=self.step_device)
                 state = self.optimizer.state[master]
-                for name in MOMENTS:
-                    state[name] = torch.empty(0, device=self.step_device)
+                for name in self.state_names:
+                    if name in state:
+                        state[name] = torch.empty(0, device=self.step_device)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -254,11 +275,16 @@ class ZeroOptimizer:
             if overflowed:
                 self.zero_grad()
                 return False, norm
-        else:
+        elif self.fused:
             # A non-finite gradient skips the update in the fused kernel itself (masters, moments and
             # step counts unchanged), decided on the device; `skipped` counts it there.
             found_inf = overflow.to(torch.float32)
             self.skipped.add_(overflow)
+        elif bool(overflow.item()):
+            # Without a fused kernel the skip is decided on the host: one read of the device per step.
+            self.skipped.add_(1)
+            self.zero_grad()
+            return True, norm
         coefficient: torch.Tensor | None = None
         if self.gradient_clipping > 0:
             coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
@@ -273,7 +299,7 @@ class ZeroOptimizer:
             found_inf = found_inf.to(self.step_device)
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
-        counts = [self.optimizer.state[m]["step"].clone() for sub in self.sub_groups for m in sub.masters]
+        before = self._scalar_snapshot()
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
         # next one steps), except into a disk file beside masters kept in memory: those masters are
@@ -288,9 +314,7 @@ class ZeroOptimizer:
         try:
             self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle)
         except BaseException:
-            masters = [m for sub in self.sub_groups for m in sub.masters]
-            for master, count in zip(masters, counts):
-                self.optimizer.state[master]["step"] = count
+            self._restore_scalars(before)
             if streamed:
                 # Some shards were written from masters that did not land: back to the old masters'
                 # values now, or (the disk still failing) before the next use.
@@ -339,18 +363,85 @@ class ZeroOptimizer:
         for piece, master in zip(sub.pieces, sub.masters):
             master.grad = grad[cursor : cursor + piece.numel] if self.grads.arrived[piece.sp] else None
             cursor += piece.numel
-        self.optimizer.found_inf = found_inf
+        if self.fused:
+            self.optimizer.found_inf = found_inf  # read by torch's fused kernels only
         self.optimizer.step()
         for master in sub.masters:
             master.grad = None
+        if self._fresh:
+            self._adopt(sub, window)
 
-    def step_count(self, sp: ShardedParam) -> torch.Tensor:
-        """How many steps torch's Adam took for this parameter (every piece of it took the same)."""
-        return self.optimizer.state[self._masters_by_param[sp][0]]["step"]
+    # ---- per-parameter state (checkpoints) -------------------------------------------
+    def has_state(self, sp: ShardedParam) -> bool:
+        """Whether torch has created this parameter's optimizer state (it has been stepped)."""
+        return bool(self.optimizer.state[self._masters_by_param[sp][0]])
 
-    def set_step_count(self, sp: ShardedParam, count: torch.Tensor) -> None:
+    def scalar_state(self, sp: ShardedParam) -> dict[str, torch.Tensor]:
+        """The parameter's scalar state (Adam: its step count), as tensors; every piece holds the same."""
+        state = self.optimizer.state[self._masters_by_param[sp][0]]
+        return {name: torch.as_tensor(state[name]).detach().clone() for name in self.scalar_names if name in state}
+
+    def set_state(self, sp: ShardedParam, scalars: dict[str, torch.Tensor] | None) -> None:
+        """Mark the parameter stepped with these scalars (its elementwise states were written into the
+        buffers), or, with None, never stepped (torch creates its state at its next step)."""
         for master in self._masters_by_param[sp]:
-            self.optimizer.state[master]["step"] = count.to(dtype=torch.float32, device=self.step_device).clone()
+            state = self.optimizer.state[master]
+            state.clear()
+            if scalars is None:
+                self._fresh.add(master)
+                continue
+            self._fresh.discard(master)
+            for name, value in scalars.items():
+                state[name] = value.to(device=self.step_device).clone()
+            for name in self.state_names:
+                state[name] = torch.empty(0, device=self.step_device)  # bound to the buffers below
+        if self._views_bound:
+            self.bind_views()
+
+    def read_client_state(self, client: torch.optim.Optimizer) -> None:
+        """Take over the state a client optimizer already has for its parameters: this rank's shard of
+        each elementwise state, and the scalars."""
+        for sp in self.params:
+            state = client.state.get(sp.param)
+            if not state:
+                continue
+            missing = [name for name in self.state_names if not isinstance(state.get(name), torch.Tensor)]
+            if missing:
+                raise ValueError(
+                    f"the client optimizer's state for {sp.name} lacks {missing} (it has {sorted(state)})"
+                )
+            slots = self.masters[sp]
+            for name in self.state_names:
+                full = state[name].detach()
+                if full.numel() != sp.numel:
+                    raise ValueError(
+                        f"the client optimizer's {name!r} for {sp.name} has {full.numel()} elements, "
+                        f"the parameter {sp.numel}"
+                    )
+                slots.moments[name].write(sp.shard_of(full.to(dtype=torch.float32, device="cpu")))
+            self.set_state(sp, {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state})
+
+    def _scalar_snapshot(self) -> list[tuple[nn.Parameter, dict[str, Any] | None]]:
+        snapshot = []
+        for sub in self.sub_groups:
+            for master in sub.masters:
+                state = self.optimizer.state[master]
+                if master in self._fresh:
+                    snapshot.append((master, None))
+                else:
+                    snapshot.append((master, {name: state[name].clone() if isinstance(state[name], torch.Tensor)
+                                              else state[name] for name in self.scalar_names if name in state}))
+        return snapshot
+
+    def _restore_scalars(self, snapshot: list[tuple[nn.Parameter, dict[str, Any] | None]]) -> None:
+        """After a failed walk: every piece's scalars (and whether it had state) as before the step."""
+        for master, scalars in snapshot:
+            state = self.optimizer.state[master]
+            if scalars is None:
+                state.clear()
+                self._fresh.add(master)
+            else:
+                state.update(scalars)
 
     def _fp32_grads(self, numel: int, device: torch.device) -> torch.Tensor:
         borrowed = self.borrow_scratch(numel * 4, device) if self.borrow_scratch is not None else None

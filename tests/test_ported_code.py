@@ -1,0 +1,94 @@
+"""What code written for DeepSpeed reads and passes: `ds_*` parameter attributes, `training_data`,
+`enable_sanity_checks`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 3,
+    "optimizer": {"type": "AdamW"},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+def ds_attributes(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    plain = models.TiedTransformer()
+    with zero3.Init(config=CONFIG):
+        model = models.TiedTransformer()
+    params = list(model.parameters())
+    out = {
+        "numel": sum(p.ds_numel for p in params),
+        "expected_numel": sum(p.numel() for p in plain.parameters()),
+        "local_numel": sum(p.numel() for p in params),  # released: 0, which is why HF reads ds_numel
+        "shapes": [tuple(p.ds_shape) for p in params] == [tuple(p.shape) for p in plain.parameters()],
+        "ids_unique": len({p.ds_id for p in params}) == len(params),
+        "still_parameters": all(isinstance(p, torch.nn.Parameter) for p in params),
+        "status_released": {p.ds_status for p in params},
+    }
+    engine, *_ = zero3.initialize(model=model, config=CONFIG)
+    weight = model.blocks[0].qkv.weight
+    with zero3.GatheredParameters([weight]):
+        out["status_gathered"] = weight.ds_status
+        out["agrees_with_param_status"] = weight.ds_status is zero3.param_status(weight)
+    out["status_after"] = weight.ds_status
+    engine.destroy()
+    out["class_after_destroy"] = type(weight) is torch.nn.Parameter and not hasattr(weight, "ds_numel")
+    return out
+
+
+def test_parameters_carry_deepspeeds_read_only_attributes() -> None:
+    for result in run_ranks(2, ds_attributes):
+        assert result["numel"] == result["expected_numel"] and result["local_numel"] == 0
+        assert result["shapes"] and result["ids_unique"] and result["still_parameters"]
+        assert result["status_released"] == {zero3.ZeroParamStatus.NOT_AVAILABLE}
+        assert result["status_gathered"] is zero3.ZeroParamStatus.AVAILABLE and result["agrees_with_param_status"]
+        assert result["status_after"] is zero3.ZeroParamStatus.NOT_AVAILABLE
+        assert result["class_after_destroy"]
+
+
+def training_data(rank: int, world: int) -> dict:
+    dataset = TensorDataset(torch.arange(20).float().unsqueeze(1), torch.arange(20))
+    model = models.MLP(d_in=1)
+    engine, _, loader, _ = zero3.initialize(model=model, config=CONFIG, training_data=dataset)
+    seen = [batch[1].tolist() for batch in loader]
+    engine.destroy()
+    bad = models.MLP(d_in=1)
+    before = [p.detach().clone() for p in bad.parameters()]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(TypeError) as info:
+        zero3.initialize(model=bad, config=CONFIG, training_data=Stream())
+    untouched = all(torch.equal(b, p) for b, p in zip(before, bad.parameters()))
+    return {"seen": seen, "error": str(info.value), "untouched": untouched}
+
+
+def test_training_data_comes_back_as_a_loader_over_this_ranks_share() -> None:
+    results = run_ranks(2, training_data)
+    shares = [sorted(i for batch in result["seen"] for i in batch) for result in results]
+    assert sorted(shares[0] + shares[1]) == list(range(20)) and not set(shares[0]) & set(shares[1])
+    for result in results:
+        assert [len(batch) for batch in result["seen"]] == [3, 3, 3, 1]  # 10 items in micro-batches of 3
+        assert "training_data must be a map-style dataset" in result["error"] and "Stream" in result["error"]
+        assert result["untouched"]
+
+
+def test_enable_sanity_checks_is_accepted_and_said_to_have_no_effect(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = zero3.load_config({"zero_optimization": {"stage": 3, "enable_sanity_checks": True}})
+    assert cfg.zero_optimization.enable_sanity_checks is True
+    (message,) = [m for m in cfg.ignored_settings() if "enable_sanity_checks" in m]
+    assert "has no effect in zero3" in message
+    with caplog.at_level(logging.WARNING):
+        assert not zero3.load_config({"zero_optimization": {"enable_sanity_checks": False}}).ignored_settings()

@@ -1,0 +1,78 @@
+"""DeepSpeed's read-only attributes on a partitioned parameter: `ds_numel`, `ds_shape`, `ds_status`,
+`ds_id` (compatibility for code written against DeepSpeed; Hugging Face reads `ds_numel` to count
+the parameters of a model built under `zero3.Init`).
+
+They are computed from zero3's own records each time they are read (the parameter's
+`ShardedParam` and its gather unit), never kept as a second state. A parameter gets them by its
+class: while partitioned, it is an instance of a subclass of its own class (`nn.Parameter` for
+most) that adds the four properties, and it gets its class back when the engine releases it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from zero3.enums import ParamStatus
+from zero3.partition.sharded_param import ShardedParam, sharded
+from zero3.partition.unit import unit_of
+
+_IDS = itertools.count()
+_WITH_ATTRIBUTES: dict[type, type] = {}
+
+
+class DeepSpeedAttributes:
+    """The four properties (mixed into the parameter's own class)."""
+
+    def _record(self) -> ShardedParam:
+        sp = sharded(self)  # type: ignore[arg-type]
+        if sp is None:
+            raise AttributeError("this parameter is no longer partitioned by zero3")
+        return sp
+
+    @property
+    def ds_numel(self) -> int:
+        """The whole parameter's number of elements (its `.numel()` is 0 while it is released)."""
+        return self._record().numel
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        """The whole parameter's shape."""
+        return self._record().shape
+
+    @property
+    def ds_status(self) -> ParamStatus:
+        """NOT_AVAILABLE, INFLIGHT or AVAILABLE, as its gather unit is (zero3.ZeroParamStatus)."""
+        sp = self._record()
+        unit = unit_of(sp)
+        if unit is not None:
+            return unit.status
+        return ParamStatus.AVAILABLE if sp.param.data.numel() == sp.numel else ParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_id(self) -> int:
+        """A number unique to the parameter in this process, given when it was partitioned."""
+        return self._record().ds_id
+
+
+def wear(sp: ShardedParam) -> None:
+    """Give the parameter the attributes (it keeps its identity: only its class changes)."""
+    param = sp.param
+    cls = type(param)
+    if issubclass(cls, DeepSpeedAttributes):
+        return
+    sp.ds_id = next(_IDS)
+    with_attributes = _WITH_ATTRIBUTES.get(cls)
+    if with_attributes is None:
+        with_attributes = type(cls.__name__, (DeepSpeedAttributes, cls), {"__module__": cls.__module__})
+        _WITH_ATTRIBUTES[cls] = with_attributes
+    param.__class__ = with_attributes
+
+
+def take_off(param: nn.Parameter) -> None:
+    """The parameter's own class back (the engine that partitioned it is gone)."""
+    cls = type(param)
+    if issubclass(cls, DeepSpeedAttributes):
+        param.__class__ = next(base for base in cls.__mro__[1:] if not issubclass(base, DeepSpeedAttributes))
