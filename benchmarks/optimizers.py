@@ -10,6 +10,11 @@ run's median step). DeepSpeed runs the same config beside zero3 for the optimize
 to AdamW, peak RSS and its ratio to AdamW, DeepSpeed's step time and zero3's ratio to it) and
 writes JSON.
 
+For Muon it also measures how the Newton-Schulz work splits: torch's iteration timed on every
+matrix of the model in one process (all of it, as a single process does it), then the matrices
+each rank owns under zero3's owner assignment (zero3.optim.muon.MatrixExchange): the goal is
+that the largest rank's share is about 1/nproc of the whole.
+
     python benchmarks/optimizers.py                     # every optimizer, 1 round
     python benchmarks/optimizers.py --optimizers AdamW,SGD,Lion --rounds 3
 """
@@ -42,6 +47,7 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "RAdam": {"type": "RAdam", "params": {"lr": 1e-3}},
     "Adamax": {"type": "Adamax", "params": {"lr": 1e-3}},
     "Lion": {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+    "Muon": {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.0}},
 }
 DEEPSPEED_HAS = ("AdamW", "Adam", "Lion", "Muon")
 _DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "optimizers.json"
@@ -62,6 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT)
     return p
+
+
+def newton_schulz_split(gpt: GPTConfig, nproc: int, repeats: int = 5) -> dict[str, Any]:
+    """Newton-Schulz time per step: all matrices in one process, and each rank's owned ones."""
+    import time
+
+    from torch import nn
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from zero3.config import MuonParams, ZeroConfig
+    from zero3.models.gpt import GPT
+    from zero3.optim.muon import Matrix, MatrixExchange, uses_muon
+
+    torch.set_num_threads(1)  # as each rank runs
+    with torch.device("meta"):
+        model = GPT(gpt)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    shapes = [p.shape for name, p in model.named_parameters() if uses_muon([name], p, p.shape, embeddings)]
+    settings = MuonParams()
+
+    def seconds(shape: torch.Size) -> float:
+        matrix = torch.randn(shape)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _zeropower_via_newtonschulz(matrix, settings.ns_coefficients, settings.ns_steps, settings.eps)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    cost = [seconds(shape) for shape in shapes]
+    matrices = [Matrix(i, shape, shape.numel(), -(-shape.numel() // nproc), 0) for i, shape in enumerate(shapes)]
+    # Assigns the owners as every rank does (buckets of the default reduce_bucket_size).
+    MatrixExchange(matrices, 0, nproc, None, ZeroConfig().reduce_bucket_size, settings)
+    per_rank = [sum(c for m, c in zip(matrices, cost) if m.owner == r) * 1e3 for r in range(nproc)]
+    return {"matrices": len(shapes), "single_ms": sum(cost) * 1e3, "per_rank_ms": per_rank}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,10 +161,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours['first_loss']:.3f} -> {ours['last_loss']:.3f}",
         )
     console.print(table)
+    split = newton_schulz_split(gpt, args.nproc) if "Muon" in names else None
+    if split is not None:
+        shares = ", ".join(f"rank {r}: {ms:.1f} ms" for r, ms in enumerate(split["per_rank_ms"]))
+        console.print(
+            f"Muon Newton-Schulz per step: one process {split['single_ms']:.1f} ms; at {args.nproc} ranks {shares} "
+            f"(largest share / whole = {max(split['per_rank_ms']) / split['single_ms']:.2f})"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {k: v for k, v in vars(args).items() if k != "out"} | {"torch": torch.__version__,
                                                                    "num_parameters": gpt.num_parameters()}
-    args.out.write_text(json.dumps({"setup": setup, "optimizers": OPTIMIZERS, "results": combined}, indent=2) + "\n")
+    args.out.write_text(json.dumps(
+        {"setup": setup, "optimizers": OPTIMIZERS, "results": combined, "newton_schulz": split}, indent=2) + "\n")
     console.print(f"results written to {args.out}")
     return 0
 

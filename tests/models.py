@@ -304,3 +304,15 @@ def train_steps(engine, rank: int, world: int, batches: list) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def mean_losses(engine, rank: int, world: int, batches: list) -> list[float]:
+    """`train_steps`, each step's loss averaged over the ranks (the loss of the whole global batch)."""
+    import torch.distributed as dist
+
+    losses = []
+    for local in train_steps(engine, rank, world, batches):
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero3
@@ -86,14 +85,7 @@ def zero3_run(rank: int, world: int, data: list, engine_of: Callable[[nn.Module]
     torch.manual_seed(0)
     model = models.MLP()
     engine = engine_of(model)
-    losses = []
-    for x, y in data:
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = models.mean_losses(engine, rank, world, data)
     full = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
     engine.destroy()
     return losses, full
@@ -210,14 +202,7 @@ def client_state_and_live_groups(rank: int, world: int) -> dict:
     client.step()
     client.zero_grad()
     engine = zero3.initialize(model=model, optimizer=client, config=config(world))[0]
-    losses = []
-    for x, y in data[1:]:
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = models.mean_losses(engine, rank, world, data[1:])
     full = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
     result = compare(losses, full, reference_run_after(make, data))
     # lr 0 in every group: a plain SGD step with momentum still moves (the buffer); zero the momentum too.

@@ -39,6 +39,7 @@ __all__ = [
     "FP16Config",
     "AdamConfig",
     "LionConfig",
+    "MuonConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
@@ -178,6 +179,13 @@ class AdamConfig(_Model):
         return True if self.params.adam_w_mode is None else self.params.adam_w_mode
 
 
+def _named(data: Any, canonical: str) -> Any:
+    """The section with its `type` spelled as zero3 does (the type is matched case-insensitively)."""
+    if isinstance(data, dict) and isinstance(data.get("type"), str):
+        data = {**data, "type": canonical}
+    return data
+
+
 class LionParams(_Model):
     lr: float = Field(default=1e-4, gt=0)
     betas: Annotated[tuple[float, float], Field(strict=False)] = (0.9, 0.99)
@@ -198,12 +206,31 @@ class LionConfig(_Model):
     type: Literal["Lion"]
     params: LionParams = LionParams()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _canonical_type(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str):
-            data = {**data, "type": "Lion"}
-        return data
+    _canonical_type = model_validator(mode="before")(classmethod(lambda cls, data: _named(data, "Lion")))
+
+
+class MuonParams(_Model):
+    # torch.optim.Muon's names and defaults, with DeepSpeed's muon_lr / adam_lr beside them.
+    lr: float = Field(default=1e-3, gt=0)
+    muon_lr: float | None = Field(default=None, gt=0)  # the matrices' lr (default: lr)
+    adam_lr: float | None = Field(default=None, gt=0)  # every other parameter's AdamW lr (default: lr)
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    weight_decay: float = Field(default=0.1, ge=0)
+    nesterov: bool = True
+    ns_method: Literal["standard"] = "standard"  # torch's Newton-Schulz iteration
+    ns_steps: int = Field(default=5, gt=0, lt=100)
+    ns_coefficients: Annotated[tuple[float, float, float], Field(strict=False)] = (3.4445, -4.775, 2.0315)
+    eps: float = Field(default=1e-7, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+
+
+class MuonConfig(_Model):
+    """Muon for the hidden weight matrices, AdamW for every other parameter (zero3.optim.muon)."""
+
+    type: Literal["Muon"]
+    params: MuonParams = MuonParams()
+
+    _canonical_type = model_validator(mode="before")(classmethod(lambda cls, data: _named(data, "Muon")))
 
 
 def _torch_optimizer_names() -> dict[str, str]:
@@ -270,16 +297,16 @@ def _optimizer_kind(data: Any) -> str | None:
     lowered = kind.lower()
     if lowered in ("adam", "adamw"):
         return "adam"
-    if lowered == "lion":
-        return "lion"
+    if lowered in ("lion", "muon"):
+        return lowered
     return "torch"
 
 
-_UNION_TAGS = frozenset({"adam", "lion", "torch"})
+_UNION_TAGS = frozenset({"adam", "lion", "muon", "torch"})
 
-# The `optimizer` section: by its `type`, DeepSpeed's Adam family, Lion, or a torch.optim class.
+# The `optimizer` section: by its `type`, DeepSpeed's Adam family, Lion, Muon, or a torch.optim class.
 OptimizerConfig = Annotated[
-    Annotated[AdamConfig, Tag("adam")] | Annotated[LionConfig, Tag("lion")]
+    Annotated[AdamConfig, Tag("adam")] | Annotated[LionConfig, Tag("lion")] | Annotated[MuonConfig, Tag("muon")]
     | Annotated[TorchOptimizerConfig, Tag("torch")],
     Discriminator(_optimizer_kind),
 ]

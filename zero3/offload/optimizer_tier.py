@@ -48,7 +48,10 @@ class OptimizerStates(Protocol):
     # Whether a failed walk leaves the state as it was (the disk tier's two generations).
     transactional: bool
 
-    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None: ...
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int], readonly: bool = False) -> None:
+        """Hand each sub-group's window to `visit` (not those in `skip`). With `readonly` the visitor
+        only reads: nothing it does to a window is kept."""
+        ...
 
     def close(self) -> None: ...
 
@@ -71,7 +74,7 @@ class MemoryOptimizerStates:
         }
         self.step_device = self.buffers["hp_params"].device  # the step runs where the state is
 
-    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int], readonly: bool = False) -> None:
         for index, (offset, numel) in enumerate(ranges):
             if index not in skip:
                 visit(index, {name: buffer.view(offset, numel) for name, buffer in self.buffers.items()})
@@ -138,12 +141,50 @@ class DiskOptimizerStates:
             for name in self.names
         })
 
-    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
-        """Every sub-group goes through (a skipped one is copied unchanged: the other generation needs it)."""
+    def walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int], readonly: bool = False) -> None:
+        """Every sub-group goes through (a skipped one is copied unchanged: the other generation needs it).
+        A `readonly` walk reads the skipped ones not at all and writes nothing."""
         try:
-            self._walk(ranges, visit, skip)
+            if readonly:
+                self._read_walk(ranges, visit, skip)
+            else:
+                self._walk(ranges, visit, skip)
         finally:
             self.pool.drop("optim-window:")  # every transfer into or out of a window has ended here
+
+    def _read_walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
+        """The current generation's windows, one at a time, the next one's read ahead."""
+        wanted = [index for index in range(len(ranges)) if index not in skip]
+        windows = [self._window(key) for key in range(min(2, len(wanted)))]
+
+        def read(slot: int, index: int) -> Transfer:
+            offset, numel = ranges[index]
+            futures = [
+                future for name in self.names
+                for future in self.disk.read(
+                    self.current_file(name), windows[slot].tensors[name][:numel], offset * FP32_BYTES
+                )
+            ]
+            return Transfer(lambda error: None).track(futures)
+
+        pending = read(0, wanted[0]) if wanted else None
+        for position, index in enumerate(wanted):
+            assert pending is not None
+            error = pending.wait()
+            if error is not None:
+                raise StepIOError(
+                    f"the optimizer step failed reading its state under {self.disk.directory}: {error}. It was not "
+                    "applied; call engine.step() again once the disk is healthy.", step_applied=False,
+                ) from error
+            slot = position % len(windows)
+            pending = read((position + 1) % len(windows), wanted[position + 1]) if position + 1 < len(wanted) else None
+            numel = ranges[index][1]
+            try:
+                visit(index, {name: tensor[:numel] for name, tensor in windows[slot].tensors.items()})
+            except BaseException:
+                if pending is not None:
+                    pending.wait()  # nothing may still fill a window we give back
+                raise
 
     def _walk(self, ranges: list[tuple[int, int]], visit: Visitor, skip: set[int]) -> None:
         source, target = self.generation, self._other()

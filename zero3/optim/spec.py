@@ -24,8 +24,11 @@ from typing import Any
 
 import torch
 
-from zero3.config import TORCH_ELEMENTWISE, AdamConfig, LionConfig, OptimizerConfig, TorchOptimizerConfig
+from zero3.config import (
+    TORCH_ELEMENTWISE, AdamConfig, LionConfig, MuonConfig, MuonParams, OptimizerConfig, TorchOptimizerConfig,
+)
 from zero3.optim.lion import Lion
+from zero3.optim.muon import MuonAdamW
 
 
 class OptimizerNotSupportedError(ValueError):
@@ -61,6 +64,8 @@ class OptimizerSpec:
     groups: list[list[torch.Tensor]] | None = None
     group_options: list[dict[str, Any]] = field(default_factory=list)
     client: torch.optim.Optimizer | None = None
+    # Muon's settings: its matrices step through zero3.optim.muon's exchange (not elementwise).
+    muon: MuonParams | None = None
 
     @property
     def name(self) -> str:
@@ -75,6 +80,8 @@ def from_config(config: OptimizerConfig) -> OptimizerSpec:
     if isinstance(config, LionConfig):
         p = config.params
         return OptimizerSpec(Lion, {"lr": p.lr, "betas": tuple(p.betas), "weight_decay": p.weight_decay})
+    if isinstance(config, MuonConfig):
+        return OptimizerSpec(MuonAdamW, {"settings": config.params}, muon=config.params)
     if isinstance(config, TorchOptimizerConfig):
         return OptimizerSpec(getattr(torch.optim, config.type), dict(config.params))
     raise OptimizerNotSupportedError(f"optimizer type {config.type!r} has no elementwise path")

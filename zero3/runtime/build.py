@@ -30,6 +30,7 @@ from zero3.offload.param_tier import DiskShardTier
 from zero3.offload.tiers import (
     check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states, step_device,
 )
+from zero3.optim.muon import check_use_muon, split_groups
 from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather
@@ -151,6 +152,8 @@ def build(
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
     state_layout = probe(spec, step_device(config, device)) if spec is not None else None
+    if spec is not None and spec.muon is not None:
+        check_use_muon(model)
     partition(model, gather, device, compute_dtype)
     units, module_units, persistent_unit = build_units(model, gather, zc.stage3_param_persistence_threshold)
     all_units = units + ([persistent_unit] if persistent_unit is not None else [])
@@ -158,6 +161,8 @@ def build(
     if spec is not None and spec.groups is not None:
         model_parameters = [{"params": params, **options} for params, options in zip(spec.groups, spec.group_options)]
     groups = optimizer_groups(model, model_parameters, sharded_params) if spec is not None else []
+    if spec is not None and spec.muon is not None:
+        groups = split_groups(groups, model, spec.muon)  # matrices to Muon, the rest to AdamW
 
     # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
     disk = ThreadPoolFileIO(rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
@@ -191,6 +196,7 @@ def build(
         optimizer = ZeroOptimizer(
             groups, spec, state_layout, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
             optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
+            matrix_bucket_numel=zc.reduce_bucket_size,
         )
         if spec.client is not None:
             optimizer.read_client_state(spec.client)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zero3.comm import Communicator
@@ -42,6 +43,7 @@ from zero3.offload.disk import StepIOError
 from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.flat_buffer import Slot
 from zero3.optim import spec as optimizer_spec
+from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
@@ -80,6 +82,8 @@ class SubGroup:
     numel: int
     pieces: list[Piece]
     masters: list[nn.Parameter]  # one per piece
+    group_index: int = 0  # its parameter group
+    muon: bool = False  # its matrices step with Muon (zero3.optim.muon)
 
 
 class ZeroOptimizer:
@@ -98,6 +102,7 @@ class ZeroOptimizer:
         loss_scaler: LossScaler | DynamicLossScaler,
         make_states: Callable[[tuple[str, ...], int, int], OptimizerStates],
         borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
+        matrix_bucket_numel: int = 500_000_000,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -142,7 +147,7 @@ class ZeroOptimizer:
             sp.hp_seed = None
             sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
             cursor += sp.shard_numel
-        for (_, options), runs in zip(groups, runs_by_group):
+        for group_index, ((_, options), runs) in enumerate(zip(groups, runs_by_group)):
             group_masters: list[nn.Parameter] = []
             for run in runs:
                 first = self.masters[run[0].sp].hp
@@ -150,7 +155,9 @@ class ZeroOptimizer:
                 for piece, master in zip(run, masters):
                     self._masters_by_param.setdefault(piece.sp, []).append(master)
                 numel = sum(piece.numel for piece in run)
-                self.sub_groups.append(SubGroup(first.offset + run[0].start, numel, run, masters))
+                self.sub_groups.append(SubGroup(
+                    first.offset + run[0].start, numel, run, masters, group_index, bool(options.get("use_muon")),
+                ))
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
@@ -172,7 +179,63 @@ class ZeroOptimizer:
         # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce
         # bucket, idle during the step).
         self.borrow_scratch = borrow_scratch
+        self.exchange: MatrixExchange | None = None
+        if spec.muon is not None:
+            self._set_up_muon(groups, matrix_bucket_numel)
         self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
+
+    def _set_up_muon(self, groups: list[tuple[list[ShardedParam], dict[str, Any]]], bucket_numel: int) -> None:
+        """The matrices' directions buffer, their exchange, and what MuonAdamW reads per piece."""
+        assert isinstance(self.optimizer, MuonAdamW) and self.spec.muon is not None
+        matrices = [sp for sps, options in groups if options.get("use_muon") for sp in sps]
+        # split_groups puts the Muon groups first, so their masters are [0, total) of the flat buffers.
+        total = sum(sp.shard_numel for sp in matrices)
+        assert all(self.masters[sp].hp.offset < total for sp in matrices)
+        self.muon_directions = torch.zeros(total, dtype=torch.float32, device=self.step_device)
+        for sub in self.sub_groups:
+            if sub.muon:
+                for piece, master in zip(sub.pieces, sub.masters):
+                    start = self.masters[piece.sp].hp.offset + piece.start
+                    self.optimizer.updates[master] = self.muon_directions[start : start + piece.numel]
+                    self.optimizer.shapes[master] = piece.sp.shape
+        if not matrices:
+            return
+        mesh = matrices[0].mesh
+        group = mesh.shard_group
+        if self.step_device.type == "cpu" and dist.get_backend(group) != "gloo":
+            group = self.comm.control_group  # host tensors (ZeRO-Offload beside a GPU) travel on gloo
+        self.exchange = MatrixExchange(
+            [Matrix(sp, sp.shape, sp.numel, sp.shard_numel, self.masters[sp].hp.offset) for sp in matrices],
+            mesh.shard_rank, mesh.shard_size, group, bucket_numel, self.spec.muon,
+        )
+
+    def _orthogonalize_matrices(self, coefficient: torch.Tensor | None, idle: set[int]) -> None:
+        """Phases 1 and 2 of zero3.optim.muon's Note: this rank's shards of every stepped matrix's
+        direction (the state only read), then the exchange that orthogonalizes them."""
+        assert self.exchange is not None
+        arrived = self.grads.arrived
+        skip = {index for index, sub in enumerate(self.sub_groups) if not sub.muon} | idle
+
+        def visit(index: int, window: dict[str, torch.Tensor]) -> None:
+            sub = self.sub_groups[index]
+            group = self.optimizer.param_groups[sub.group_index]
+            grad = self._fp32_grads(sub.numel, window["hp_params"].device)
+            grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
+            if coefficient is not None:
+                grad.mul_(coefficient)
+            cursor = 0
+            for piece, master in zip(sub.pieces, sub.masters):
+                if arrived[piece.sp]:
+                    piece_grad = grad[cursor : cursor + piece.numel]
+                    # A piece torch has not stepped yet starts from a zero buffer (whatever the flat buffer holds).
+                    buffer = (torch.zeros_like(piece_grad) if master in self._fresh
+                              else window["exp_avg"][cursor : cursor + piece.numel])
+                    self.muon_directions[sub.offset + cursor : sub.offset + cursor + piece.numel].copy_(
+                        direction(piece_grad, buffer, group["momentum"], group["nesterov"]))
+                cursor += piece.numel
+
+        self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, skip, readonly=True)
+        self.exchange.orthogonalize(self.muon_directions, {m.key for m in self.exchange.matrices if arrived[m.key]})
 
     @property
     def step_device(self) -> torch.device:
@@ -299,6 +362,8 @@ class ZeroOptimizer:
             found_inf = found_inf.to(self.step_device)
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
+        if self.exchange is not None:
+            self._orthogonalize_matrices(coefficient, idle)
         before = self._scalar_snapshot()
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
