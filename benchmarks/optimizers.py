@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if with_deepspeed:
         jobs += [(name, "deepspeed") for name in names if name in DEEPSPEED_HAS]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {job: [] for job in jobs}
+    failed: dict[tuple[str, str], str] = {}
     for round_index in range(args.rounds):
         shift = round_index % len(jobs)
         for name, engine in jobs[shift:] + jobs[:shift]:
@@ -140,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                 seed=0, precision=args.precision, optimizer=json.dumps(OPTIMIZERS[name]),
             )
             console.print(f"round {round_index + 1}/{args.rounds}: {engine} with {name} ...")
-            runs[(name, engine)].append(step_time.summarize(step_time.launch(job, args.nproc), tokens_per_step))
-    combined = {f"{engine}:{name}": step_time.combine(found) for (name, engine), found in runs.items()}
+            if (name, engine) in failed:
+                continue
+            try:
+                runs[(name, engine)].append(step_time.summarize(step_time.launch(job, args.nproc), tokens_per_step))
+            except Exception as exc:  # a DeepSpeed optimizer that does not run on this machine, say
+                failed[(name, engine)] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                console.print(f"[red]{engine} with {name} failed[/red]: {failed[(name, engine)]}")
+    combined = {f"{engine}:{name}": step_time.combine(found) for (name, engine), found in runs.items() if found}
     table = Table(title=f"optimizers: GPT {args.n_layer} x {args.n_embd} ({gpt.num_parameters() / 1e6:.1f}M), "
                         f"{args.precision}, {args.nproc} ranks, median step over {args.rounds} round(s)")
     for column in ("optimizer", "zero3 ms", "vs AdamW", "peak RSS MiB", "vs AdamW", "DeepSpeed ms", "zero3 / DS",
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column, justify="right")
     adamw = combined.get("zero3:AdamW")
     for name in names:
+        if f"zero3:{name}" not in combined:
+            table.add_row(name, "failed", *["-"] * 6)
+            continue
         ours = combined[f"zero3:{name}"]
         theirs = combined.get(f"deepspeed:{name}")
         table.add_row(
@@ -172,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = {k: v for k, v in vars(args).items() if k != "out"} | {"torch": torch.__version__,
                                                                    "num_parameters": gpt.num_parameters()}
     args.out.write_text(json.dumps(
-        {"setup": setup, "optimizers": OPTIMIZERS, "results": combined, "newton_schulz": split}, indent=2) + "\n")
+        {"setup": setup, "optimizers": OPTIMIZERS, "results": combined, "newton_schulz": split,
+         "failed": {f"{engine}:{name}": why for (name, engine), why in failed.items()}}, indent=2) + "\n")
     console.print(f"results written to {args.out}")
     return 0
 

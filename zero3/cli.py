@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="dtype of the floating-point weights")
     export.add_argument("--max-shard-size", default="5GB", help="largest file before sharding, e.g. 5GB, 500MB")
+    export.add_argument("--trust-checkpoint", action="store_true",
+                        help="read the checkpoint's pickled files without the weights-only guard (only for "
+                             "files you trust: they could run code)")
     export.set_defaults(handler=_cmd_export)
     _add_estimate_parser(commands)
     parser.epilog = _options_summary(train)
@@ -175,7 +178,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from zero3.checkpoint.weights import parse_size
 
     try:
-        written = export(args.checkpoint_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.tag)
+        written = export(args.checkpoint_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.tag,
+                         trust_checkpoint=args.trust_checkpoint)
     except (CheckpointError, ValueError) as error:
         print(f"zero3 export: {error}", file=sys.stderr)
         return 2

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from zero3.checkpoint.tags import CheckpointError
+
 Box = tuple[list[int], list[int]]  # (offsets, sizes) in the global shape
 
 
@@ -146,6 +148,13 @@ class LoadPlanner(DefaultLoadPlanner):
         state_dict.update(ours)
         self.state_dict.update(ours)
         self._pending: dict[tuple[str, tuple[int, ...]], tuple[RangeChunks, int, torch.Tensor]] = {}
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        # DCP would torch.load(weights_only=False) a BYTE_IO entry; zero3 saves none, so one is refused.
+        raise CheckpointError(
+            f"the checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; zero3 never saves one "
+            "and does not unpickle it (it could run code)"
+        )
 
     def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
         key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))

@@ -16,7 +16,7 @@ hyperparameters, the client state, each file's checksum) goes into
 
 from __future__ import annotations
 
-import io
+import copy
 import logging
 import os
 import shutil
@@ -28,13 +28,15 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from zero3 import accelerator
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
+from zero3.checkpoint.trust import CheckpointReader, load_engine_file
 from zero3.checkpoint.tags import (
-    ENGINE_FILE, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
+    ENGINE_FILE, LATEST, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
 )
 from zero3.comm import Communicator
 from zero3.offload.host import HostBufferPool
@@ -210,17 +212,20 @@ def save(
     if len(set(tags)) > 1:
         raise CheckpointError(f"the ranks asked for different checkpoint tags {tags}: every rank must pass the same")
     root = Path(save_dir)
+    problem = None
     if engine.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
-        staging_dir(root, tag).mkdir()
-    comm.barrier()
-    # The engine's own state is taken now (an async write must not see later steps).
-    engine_state = io.BytesIO()
-    if engine.rank == 0:
-        torch.save(_engine_state(engine, client_state), engine_state)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
+            staging_dir(root, tag).mkdir()
+        except OSError as error:
+            problem = save_failure(error, root, 0)
+    _agree(comm, problem, None, root, tag, engine.rank)  # rank 0's failure is every rank's (none waits for it)
+    # The engine's own state is taken now (an async write must not see later steps): a copy, so that
+    # the writer never has to read anything back (see zero3.checkpoint.trust's Note).
+    engine_state = copy.deepcopy(_engine_state(engine, client_state)) if engine.rank == 0 else {}
     live = entries(engine, optimizer_states=engine.optimizer is not None)
-    job = _Write(root, tag, engine_state.getvalue(), save_latest, keep_last, engine.rank)
+    job = _Write(root, tag, engine_state, save_latest, keep_last, engine.rank)
     if executor is None:
         return job.run(comm, live, comm.control_group)
     staged = _stage(live, engine.host_pool, engine.device)
@@ -250,35 +255,90 @@ class _Write:
 
     root: Path
     tag: str
-    engine_state: bytes  # rank 0's serialized engine state (empty elsewhere)
+    engine_state: dict[str, Any]  # rank 0's engine state, as it was when the save was called (empty elsewhere)
     save_latest: bool
     keep_last: int | None
     rank: int  # this rank in the job
 
     def run(self, comm: Communicator, state: dict[str, Any], group: Any) -> Path:
+        """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`)."""
         staged = staging_dir(self.root, self.tag)
-        dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
+        problem = None
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
+            sums = checksums(dcp_files(staged, self.rank))
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            problem, sums = save_failure(error, staged, self.rank), {}
+        _agree(comm, problem, group, self.root, self.tag, self.rank)
         files: dict[str, tuple[int, int]] = {}
-        for sums in comm.all_gather_objects(checksums(dcp_files(staged, self.rank)), group):
-            files.update(sums)
+        for found in comm.all_gather_objects(sums, group):
+            files.update(found)
         if self.rank == 0:
-            engine_state = torch.load(io.BytesIO(self.engine_state), weights_only=False)
-            temporary = staged / f".{ENGINE_FILE}.tmp"
-            torch.save(engine_state | {"files": files}, temporary)
-            os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
-            publish(self.root, self.tag, self.save_latest)
-            if self.keep_last is not None:
-                removed = prune(self.root, self.keep_last, self.tag)
-                if removed:
-                    log.info("checkpoint: removed tags %s (keep_last=%d)", removed, self.keep_last)
-        comm.barrier(group)
+            try:
+                temporary = staged / f".{ENGINE_FILE}.tmp"
+                torch.save(self.engine_state | {"files": files}, temporary)
+                os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
+                publish(self.root, self.tag, self.save_latest)
+            except Exception as error:  # noqa: BLE001 - told to every rank below
+                problem = save_failure(error, staged, 0)
+        _agree(comm, problem, group, self.root, self.tag, self.rank)
+        if self.rank == 0 and self.keep_last is not None:
+            removed = prune(self.root, self.keep_last, self.tag)
+            if removed:
+                log.info("checkpoint: removed tags %s (keep_last=%d)", removed, self.keep_last)
         return self.root / self.tag
 
 
-def read_engine_state(path: Path) -> dict[str, Any]:
+def save_failure(error: BaseException, directory: Path, rank: int) -> str:
+    """What went wrong, in words: the OS's reason where there is one (torch's writer reports a full disk as
+    "unexpected pos ..."), with the file or directory."""
+    cause = error
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's exception
+    if failures:
+        cause = next(iter(failures.values()))[0]
+    seen: set[int] = set()
+    found: BaseException | None = cause
+    while found is not None and id(found) not in seen and not isinstance(found, OSError):
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    where = directory
+    if isinstance(found, OSError) and found.errno is not None:
+        where = Path(found.filename) if found.filename else directory
+        return f"{os.strerror(found.errno).lower()} while writing {str(where)!r} (rank {rank})"
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        free = -1
+    if 0 <= free < _NEARLY_FULL:
+        return f"no space left on device while writing {str(directory)!r} (rank {rank}; {free} bytes free)"
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''} while writing " \
+           f"{str(directory)!r} (rank {rank})"
+
+
+_NEARLY_FULL = 1 << 20  # bytes: a write that failed with less free than this failed for room
+
+
+def _agree(comm: Communicator, problem: str | None, group: Any, root: Path, tag: str, rank: int) -> None:
+    """Every rank learns whether any failed; if one did, the partial tag is removed and every rank raises
+    the same CheckpointError (what `latest` names is untouched)."""
+    problems = [found for found in comm.all_gather_objects(problem, group) if found is not None]
+    if not problems:
+        return
+    if rank == 0:
+        shutil.rmtree(staging_dir(root, tag), ignore_errors=True)
+    latest = root / LATEST
+    kept = f"'latest' still names {latest.read_text().strip()!r}" if latest.is_file() else "no tag was published"
+    raise CheckpointError(f"save_checkpoint of tag {tag!r} into {str(root)!r} failed: {problems[0]}. Nothing was "
+                          f"saved ({kept}); the partial files were removed.")
+
+
+def read_engine_state(path: Path, weights_only: bool = True) -> dict[str, Any]:
+    """The engine file, weights-only unless the caller trusts it (zero3.checkpoint.trust)."""
     file = path / ENGINE_FILE
     try:
-        state = torch.load(file, weights_only=False, map_location="cpu")
+        state = load_engine_file(file, weights_only)
+    except CheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001 - any failure to read it is a damaged file
         raise CheckpointError(f"{str(file)!r} cannot be read ({type(error).__name__}: {error})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -286,12 +346,9 @@ def read_engine_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
-    """DCP's description of every saved entry, by key."""
-    try:
-        return FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as error:  # noqa: BLE001
-        raise CheckpointError(f"{str(path / '.metadata')!r} cannot be read ({type(error).__name__}: {error})") from None
+def _read_metadata(path: Path, trusted: bool = False) -> dict[str, Any]:
+    """DCP's description of every saved entry, by key (read through the allowlist unless trusted)."""
+    return CheckpointReader(path, trusted).read_metadata().state_dict_metadata
 
 
 def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> list[str]:
@@ -320,13 +377,15 @@ def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> lis
 
 def load(
     engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
-    load_lr_scheduler_states: bool, load_module_only: bool, strict: bool,
+    load_lr_scheduler_states: bool, load_module_only: bool, strict: bool, weights_only: bool = True,
 ) -> Restored:
     """Check everything, then read into the engine's buffers (collective). The masters are loaded and
-    the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied."""
+    the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied.
+    Every file is read by every rank before the first collective, so a refused file (see
+    zero3.checkpoint.trust) raises the same error on every rank."""
     comm = engine.comm
     path = resolve(load_dir, tag)
-    state = read_engine_state(path)
+    state = read_engine_state(path, weights_only)
     optimizer = engine.optimizer
     with_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
     if with_optimizer:
@@ -343,7 +402,7 @@ def load(
                 f"{str(path / ENGINE_FILE)!r}: the checkpoint has {len(saved['param_groups'])} optimizer parameter "
                 f"groups, this engine {len(optimizer.param_groups)}"
             )
-    saved_entries = _read_metadata(path)
+    saved_entries = _read_metadata(path, trusted=not weights_only)
     wanted = entries(engine, optimizer_states=with_optimizer, saved=saved_entries)
     problems = _misfits(saved_entries, wanted, strict)
     if problems:
@@ -360,7 +419,7 @@ def load(
     if not strict:
         wanted = {key: value for key, value in wanted.items() if key in saved_entries}
 
-    dcp.load(wanted, storage_reader=FileSystemReader(path), planner=LoadPlanner(), process_group=comm.control_group)
+    dcp.load(wanted, storage_reader=CheckpointReader(path, trusted=not weights_only), planner=LoadPlanner(), process_group=comm.control_group)
 
     if optimizer is not None:
         if with_optimizer:

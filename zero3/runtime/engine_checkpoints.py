@@ -151,6 +151,7 @@ class CheckpointMethods:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        weights_only: bool = True,
     ) -> tuple[str, Any]:
         """Load `load_dir/<tag>` (default: the tag `latest` names), saved at any world size; collective.
 
@@ -159,6 +160,13 @@ class CheckpointMethods:
         model, every file matches its checksum, the optimizer is the same
         kind): a failed check raises `zero3.CheckpointError` and changes
         nothing. Accumulated gradients are dropped.
+
+        A checkpoint runs none of its code: its files are read weights-only
+        (torch.load's rule, plus what `torch.serialization.add_safe_globals`
+        registers) and DCP's metadata through an allowlist; a file naming
+        anything else is refused with `CheckpointError`, naming the file and
+        the global. `weights_only=False` is your word that you trust the files
+        (a `client_state` holding your own classes needs it).
         """
         self._check_alive()
         self.parts.check_between_steps("load_checkpoint")
@@ -168,7 +176,7 @@ class CheckpointMethods:
         self.parts.coordinator.release_all()
         restored = checkpoint_state.load(
             self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
-            load_module_strict,
+            load_module_strict, weights_only,
         )
         self.parts.repair_lp()  # the load marked the 16-bit shards stale: they are written from the loaded masters
         if self.optimizer is None:

@@ -1,0 +1,96 @@
+"""A save that fails on I/O (here: a full disk, a small tmpfs) is every rank's CheckpointError in words;
+the partial tag is removed, `latest` still names the previous tag, training goes on, the next save works."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+SIZE = "800k"  # one checkpoint of the model below (about 520 KB) fits, a second does not
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (this process is not)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(root)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
+def step(engine: zero3.ZeroEngine, rank: int, world: int, seed: int) -> None:
+    x, y = models.batches("tokens", 1, 2 * world, seed=seed)[0]
+    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    engine.step()
+
+
+def fill_then_recover(rank: int, world: int, root: str, async_save: bool) -> dict:
+    torch.manual_seed(0)
+    model = models.TiedTransformer()
+    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    step(engine, rank, world, 0)
+    engine.save_checkpoint(root, tag="a", async_save=async_save)
+    engine.wait_for_checkpoint()
+    step(engine, rank, world, 1)
+    before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    error = ""
+    try:
+        engine.save_checkpoint(root, tag="b", async_save=async_save)  # no room for a second one
+        if async_save:
+            step(engine, rank, world, 2)  # the steps in between are unaffected
+            engine.wait_for_checkpoint()
+    except zero3.CheckpointError as failure:
+        error = str(failure)
+    untouched = async_save or all(
+        torch.equal(before[n], zero3.safe_get_full_fp32_param(p)) for n, p in model.named_parameters())
+    leftovers = sorted(os.listdir(root))
+    latest = Path(root, "latest").read_text().strip()
+    path, _ = engine.load_checkpoint(root)  # what latest names still loads
+    step(engine, rank, world, 3)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(root, "a"))  # room again
+    dist.barrier()
+    engine.save_checkpoint(root, tag="c", async_save=async_save)
+    engine.wait_for_checkpoint()
+    engine.destroy()
+    return {"error": error, "untouched": untouched, "leftovers": leftovers, "latest": latest,
+            "loaded": Path(path).name, "after": sorted(os.listdir(root))}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: Path, world: int,
+                                                                    async_save: bool) -> None:
+    results = run_ranks(world, fill_then_recover, str(small_disk), async_save)
+    for result in results:
+        assert "no space left on device" in result["error"] and str(small_disk) in result["error"], result["error"]
+        assert "'latest' still names 'a'" in result["error"]
+        assert result["untouched"]
+        assert result["leftovers"] == ["a", "latest"]  # no .b.incomplete holding the space
+        assert result["latest"] == "a" and result["loaded"] == "a"
+        assert result["after"] == ["c", "latest"]
+    assert len({result["error"] for result in results}) == 1
