@@ -3,8 +3,10 @@ metadata allowlist, a refused file is named with the global it names, and nothin
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,33 +86,58 @@ def plant_in_metadata(tag_dir: Path, marker: str) -> None:
         pickle.dump(metadata, f)
 
 
-def refused_load(rank: int, world: int, root: str) -> dict:
+def refused_loads(rank: int, world: int, roots: list[str]) -> list[dict]:
+    """Each tampered checkpoint in turn, on one engine: refused, nothing changed, training goes on."""
     engine, model = build(world)
     one_step(engine, rank, world)
-    before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
-    with pytest.raises(zero3.CheckpointError) as info:
-        engine.load_checkpoint(root, tag="t")
-    unchanged = all(torch.equal(before[n], zero3.safe_get_full_fp32_param(p)) for n, p in model.named_parameters())
-    loss = one_step(engine, rank, world, seed=1)  # the engine goes on training
+    results = []
+    for seed, root in enumerate(roots, start=1):
+        before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+        with pytest.raises(zero3.CheckpointError) as info:
+            engine.load_checkpoint(root, tag="t")
+        unchanged = all(torch.equal(before[n], zero3.safe_get_full_fp32_param(p)) for n, p in model.named_parameters())
+        loss = one_step(engine, rank, world, seed=seed)  # the engine goes on training
+        results.append({"error": str(info.value), "unchanged": unchanged, "trains": math.isfinite(loss)})
     engine.destroy()
-    return {"error": str(info.value), "unchanged": unchanged, "trains": bool(torch.isfinite(torch.tensor(loss)))}
+    return results
+
+
+PLANTS = {"engine_file": ("zero3_engine.pt", plant_in_engine_file), "metadata": (".metadata", plant_in_metadata)}
+
+
+def tampered(tmp_path: Path, world: int) -> tuple[list[Path], Path]:
+    """One checkpoint saved at `world`, copied once per place a payload is planted."""
+    saved, marker = tmp_path / f"saved{world}", tmp_path / "payload-ran"
+    run_ranks(world, save, str(saved), PLAIN_CLIENT_STATE)
+    roots = []
+    for where, (_, plant) in PLANTS.items():
+        root = tmp_path / f"{where}{world}"
+        shutil.copytree(saved, root)
+        plant(root / "t", str(marker))
+        roots.append(root)
+    return roots, marker
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("where", ["engine_file", "metadata"])
-def test_a_planted_payload_is_refused_named_and_never_run(tmp_path: Path, where: str, world: int) -> None:
-    root = tmp_path / "ckpt"
-    marker = tmp_path / "payload-ran"
-    run_ranks(world, save, str(root), PLAIN_CLIENT_STATE)
-    (plant_in_engine_file if where == "engine_file" else plant_in_metadata)(root / "t", str(marker))
-    results = run_ranks(world, refused_load, str(root))
+def test_a_planted_payload_is_refused_named_and_never_run(tmp_path: Path, world: int) -> None:
+    roots, marker = tampered(tmp_path, world)
+    per_rank = run_ranks(world, refused_loads, [str(root) for root in roots])
     assert not marker.exists()
-    file = "zero3_engine.pt" if where == "engine_file" else ".metadata"
-    for result in results:
-        assert file in result["error"] and "posix.system" in result["error"], result["error"]
-        assert "weights_only=False" in result["error"]
-        assert result["unchanged"] and result["trains"]
-    assert len({result["error"] for result in results}) == 1  # the same error on every rank
+    for case, (file, _) in enumerate(PLANTS.values()):
+        results = [rank_results[case] for rank_results in per_rank]
+        for result in results:
+            assert file in result["error"] and "posix.system" in result["error"], result["error"]
+            assert "weights_only=False" in result["error"]
+            assert result["unchanged"] and result["trains"]
+        assert len({result["error"] for result in results}) == 1  # the same error on every rank
+    if world == 1:  # zero3 export of the same files: one line, non-zero, nothing written
+        for root in roots:
+            out = tmp_path / f"out-{root.name}"
+            done = export(root, out)
+            assert done.returncode != 0 and not marker.exists()
+            assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+            assert "posix.system" in done.stderr and "--trust-checkpoint" in done.stderr
+            assert not out.exists() or not any(out.iterdir())
 
 
 def export(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -120,49 +147,39 @@ def export(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("where", ["engine_file", "metadata"])
-def test_export_of_a_tampered_checkpoint_says_one_line_and_writes_nothing(tmp_path: Path, where: str) -> None:
-    root, out, marker = tmp_path / "ckpt", tmp_path / "out", tmp_path / "payload-ran"
-    run_ranks(1, save, str(root), None)
-    (plant_in_engine_file if where == "engine_file" else plant_in_metadata)(root / "t", str(marker))
-    done = export(root, out)
-    assert done.returncode != 0 and not marker.exists()
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
-    assert "posix.system" in done.stderr and "--trust-checkpoint" in done.stderr
-    assert not out.exists() or not any(out.iterdir())
-
-
-def round_trip(rank: int, world: int, root: str, weights_only: bool, register: bool) -> dict:
-    if register:
-        torch.serialization.add_safe_globals([Epoch])
+def round_trips(rank: int, world: int, root: str, ways: list[str]) -> list[dict]:
+    """Load the checkpoint each way: "default", "trusted" (weights_only=False), "registered"
+    (the default, after add_safe_globals)."""
     engine, _ = build(world)
-    try:
-        path, client = engine.load_checkpoint(root, tag="t", weights_only=weights_only)
-        return {"client": client}
-    except zero3.CheckpointError as error:
-        return {"error": str(error)}
-    finally:
-        engine.destroy()
+    results = []
+    for way in ways:
+        if way == "registered":
+            torch.serialization.add_safe_globals([Epoch])
+        try:
+            _, client = engine.load_checkpoint(root, tag="t", weights_only=way != "trusted")
+            results.append({"client": client})
+        except zero3.CheckpointError as error:
+            results.append({"error": str(error)})
+    engine.destroy()
+    return results
 
 
 def test_plain_client_state_round_trips_with_the_default(tmp_path: Path) -> None:
     run_ranks(2, save, str(tmp_path), PLAIN_CLIENT_STATE)
-    for result in run_ranks(2, round_trip, str(tmp_path), True, False):
+    for (result,) in run_ranks(2, round_trips, str(tmp_path), ["default"]):
         client = result["client"]
         assert {k: v for k, v in client.items() if k != "nested"} == {
             k: v for k, v in PLAIN_CLIENT_STATE.items() if k != "nested"}
         assert torch.equal(client["nested"]["t"], torch.arange(3))
 
 
-def test_a_users_class_needs_the_opt_in(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_users_class_needs_the_opt_in(tmp_path: Path) -> None:
     run_ranks(1, save, str(tmp_path), {"epoch": Epoch(7)})
-    (refused,) = run_ranks(1, round_trip, str(tmp_path), True, False)
+    ((refused, trusted, registered),) = run_ranks(1, round_trips, str(tmp_path), ["default", "trusted", "registered"])
     assert "test_checkpoint_trust.Epoch" in refused["error"] and "weights_only=False" in refused["error"]
     assert "add_safe_globals" in refused["error"]
-    (trusted,) = run_ranks(1, round_trip, str(tmp_path), False, False)
     assert trusted["client"]["epoch"].value == 7
-    (registered,) = run_ranks(1, round_trip, str(tmp_path), True, True)  # add_safe_globals is honoured
-    assert registered["client"]["epoch"].value == 7
+    assert registered["client"]["epoch"].value == 7  # add_safe_globals is honoured
     out = tmp_path / "out"
     assert export(tmp_path, out).returncode != 0
     done = export(tmp_path, out, "--trust-checkpoint")

@@ -123,7 +123,7 @@ FUSED_BY_DEFAULT = frozenset({"Adam", "AdamW", "Adagrad"})
 
 def build(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimizer, bool]:
     """The optimizer over `groups`, with torch's fused kernel for the classes in FUSED_BY_DEFAULT when
-    the caller chose no implementation (else torch's own default); returns (optimizer, fused)."""
+    the caller chose no implementation, else its foreach one where it has it; returns (optimizer, fused)."""
     accepts = inspect.signature(spec.cls.__init__).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepts.values())
     kwargs = {k: v for k, v in spec.defaults.items() if open_ended or k in accepts}
@@ -137,7 +137,14 @@ def build(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> tuple[torch.opti
         try:
             return spec.cls(groups, **{**kwargs, "fused": True}), True
         except (RuntimeError, ValueError, TypeError):
-            pass  # no fused kernel for these options or this device: torch's default (foreach)
+            pass  # no fused kernel for these options or this device: foreach
+    if "foreach" in accepts and not chosen and not kwargs.get("differentiable"):
+        # torch picks foreach on its own only for CUDA tensors; a sub-group's pieces are many small
+        # tensors on the host too.
+        try:
+            return spec.cls(groups, **{**kwargs, "foreach": True}), False
+        except (RuntimeError, ValueError, TypeError):
+            pass
     optimizer = spec.cls(groups, **kwargs)
     fused = bool(optimizer.defaults.get("fused")) or any(bool(group.get("fused")) for group in optimizer.param_groups)
     return optimizer, fused
