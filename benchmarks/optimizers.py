@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 runs[(name, engine)].append(step_time.summarize(step_time.launch(job, args.nproc), tokens_per_step))
             except Exception as exc:  # a DeepSpeed optimizer that does not run on this machine, say
-                failed[(name, engine)] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                text = exc.format_msg() if hasattr(exc, "format_msg") else str(exc)
+                causes = [line.strip() for line in text.splitlines() if "Error" in line and ":" in line]
+                failed[(name, engine)] = (causes[-1] if causes else type(exc).__name__)[:200]
                 console.print(f"[red]{engine} with {name} failed[/red]: {failed[(name, engine)]}")
     combined = {f"{engine}:{name}": step_time.combine(found) for (name, engine), found in runs.items() if found}
     table = Table(title=f"optimizers: GPT {args.n_layer} x {args.n_embd} ({gpt.num_parameters() / 1e6:.1f}M), "

@@ -246,6 +246,8 @@ def _build_deepspeed(job: Job):
 
     cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision, job.reduce_bucket_size,
                     json.loads(job.optimizer) if job.optimizer else None)
+    if cfg["optimizer"]["type"].lower() == "muon":
+        cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed refuses Muon with it
     torch.manual_seed(job.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = GPT(job.model)

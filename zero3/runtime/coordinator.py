@@ -62,9 +62,6 @@ class TrainingState(enum.Enum):
     BACKWARD_IN_FORWARD = enum.auto()
 
 
-_IN_FORWARD = frozenset({TrainingState.FORWARD, TrainingState.FORWARD_IN_BACKWARD, TrainingState.BACKWARD_IN_FORWARD})
-_IN_BACKWARD = frozenset({TrainingState.BACKWARD, TrainingState.FORWARD_IN_BACKWARD, TrainingState.BACKWARD_IN_FORWARD})
-
 
 def expected_grads(unit: GatherUnit, grads: GradShards | None) -> int:
     """Gradients a backward accumulates for the unit: its parameters that are trained."""
@@ -176,11 +173,14 @@ class ParamCoordinator:
     # ---- state ---------------------------------------------------------------
     @property
     def in_forward(self) -> bool:
-        return self.state in _IN_FORWARD
+        # Identity tests: an enum's hash is a Python call, and this is read on every saved tensor.
+        state = self.state
+        return state is not TrainingState.IDLE and state is not TrainingState.BACKWARD
 
     @property
     def in_backward(self) -> bool:
-        return self.state in _IN_BACKWARD
+        state = self.state
+        return state is not TrainingState.IDLE and state is not TrainingState.FORWARD
 
     def observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         self.live.observe(unit, old, new)
