@@ -256,6 +256,23 @@ def bad_loads(rank: int, world: int, root: str, good: str) -> dict:
         shutil.copytree(good, os.path.join(damaged, "trunc", "global_step3"))
         shutil.copytree(good, os.path.join(damaged, "flip", "global_step3"))
         shutil.copytree(good, os.path.join(damaged, "unfinished", "global_step3"))
+        shutil.copytree(good, os.path.join(damaged, "engine_flip", "global_step3"))
+        shutil.copytree(good, os.path.join(damaged, "metadata_shift", "global_step3"))
+        engine_file = os.path.join(damaged, "engine_flip", "global_step3", "zero3_engine.pt")
+        with open(engine_file, "r+b") as f:  # one bit, anywhere: here in the middle of the file
+            f.seek(os.path.getsize(engine_file) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+        import pickle
+
+        metadata_file = os.path.join(damaged, "metadata_shift", "global_step3", ".metadata")
+        with open(metadata_file, "rb") as f:
+            metadata = pickle.load(f)  # our own file: the test may read it plainly
+        info = next(iter(metadata.storage_data.values()))
+        info.offset += 8  # still a valid pickle of allowed classes, pointing at the wrong bytes
+        with open(metadata_file, "wb") as f:
+            pickle.dump(metadata, f)
         with open(os.path.join(damaged, "trunc", "global_step3", "__1_0.distcp"), "r+b") as f:
             f.truncate(100)
         with open(os.path.join(damaged, "flip", "global_step3", "__0_0.distcp"), "r+b") as f:
@@ -274,6 +291,8 @@ def bad_loads(rank: int, world: int, root: str, good: str) -> dict:
         "truncated": ({}, os.path.join(damaged, "trunc"), {"tag": "global_step3"}),
         "corrupted": ({}, os.path.join(damaged, "flip"), {"tag": "global_step3"}),
         "unfinished": ({}, os.path.join(damaged, "unfinished"), {"tag": "global_step3"}),
+        "engine_flip": ({}, os.path.join(damaged, "engine_flip"), {"tag": "global_step3"}),
+        "metadata_shift": ({}, os.path.join(damaged, "metadata_shift"), {"tag": "global_step3"}),
         "adam": ({}, ckpt, {}),
     }
     out: dict[str, Any] = {}
@@ -302,7 +321,8 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(
     root, _ = saved
     good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
     out = run_ranks(2, bad_loads, str(tmp_path), good)[0]
-    for case in ("no_dir", "no_tag", "bigger_model", "other_vocab", "truncated", "corrupted", "unfinished", "adam"):
+    for case in ("no_dir", "no_tag", "bigger_model", "other_vocab", "truncated", "corrupted", "unfinished", "adam",
+                 "engine_flip", "metadata_shift"):
         assert out[f"{case}/unchanged"], case
     assert "does not exist" in out["no_dir"] and "absent" in out["no_dir"]
     assert "'global_step99' not found" in out["no_tag"] and "global_step3" in out["no_tag"]
@@ -312,6 +332,8 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(
     assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
     assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
     assert "optimizer is AdamW" in out["adam"] and "Adam" in out["adam"]
+    assert "zero3_engine.pt" in out["engine_flip"] and "corrupted" in out["engine_flip"], out["engine_flip"]
+    assert ".metadata" in out["metadata_shift"] and "corrupted" in out["metadata_shift"], out["metadata_shift"]
 
 
 # ---- 6: async save ----------------------------------------------------------------------------------------

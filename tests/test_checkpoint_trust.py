@@ -3,12 +3,13 @@ metadata allowlist, a refused file is named with the global it names, and nothin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import pickle
 import shutil
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 import zero3
 from tests import models
-from tests.distributed import run_ranks, script_env
+from tests.distributed import run_ranks
+from zero3.checkpoint.tags import checksums, write_engine_sum
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -25,7 +27,6 @@ CONFIG = {
     "fp16": {"enabled": True},  # the loss scaler's state is saved too
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
 }
-REPO = str(Path(__file__).resolve().parents[1])
 
 
 class Planted:
@@ -75,6 +76,7 @@ def plant_in_engine_file(tag_dir: Path, marker: str) -> None:
     state = torch.load(file, weights_only=False)  # the attacker's side: this file is their own
     state["client_state"] = {"epoch": 3, "payload": Planted(marker)}
     torch.save(state, file)
+    write_engine_sum(file)  # checksums are not signatures: an attacker rewrites them too
 
 
 def plant_in_metadata(tag_dir: Path, marker: str) -> None:
@@ -84,6 +86,11 @@ def plant_in_metadata(tag_dir: Path, marker: str) -> None:
     metadata.planner_data = {"payload": Planted(marker)}  # a field no reader needs
     with open(file, "wb") as f:
         pickle.dump(metadata, f)
+    engine_file = tag_dir / "zero3_engine.pt"
+    state = torch.load(engine_file, weights_only=True)
+    state["files"][".metadata"] = checksums([file])[".metadata"]
+    torch.save(state, engine_file)
+    write_engine_sum(engine_file)
 
 
 def refused_loads(rank: int, world: int, roots: list[str]) -> list[dict]:
@@ -140,11 +147,20 @@ def test_a_planted_payload_is_refused_named_and_never_run(tmp_path: Path, world:
             assert not out.exists() or not any(out.iterdir())
 
 
-def export(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zero3.cli", "export", str(root), str(out), *extra],
-        capture_output=True, text=True, env=script_env(REPO), timeout=120,
-    )
+@dataclass
+class Exported:
+    returncode: int
+    stderr: str
+
+
+def export(root: Path, out: Path, *extra: str) -> Exported:
+    """`zero3 export`, run in this process (its exit status and what it printed on stderr)."""
+    from zero3.cli import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        returncode = main(["export", str(root), str(out), *extra])
+    return Exported(returncode, stderr.getvalue())
 
 
 def round_trips(rank: int, world: int, root: str, ways: list[str]) -> list[dict]:

@@ -36,7 +36,7 @@ from zero3 import accelerator
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.trust import CheckpointReader, load_engine_file
 from zero3.checkpoint.tags import (
-    ENGINE_FILE, LATEST, CheckpointError, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
+    ENGINE_FILE, LATEST, METADATA, CheckpointError, check_engine_file, write_engine_sum, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
 )
 from zero3.comm import Communicator
 from zero3.offload.host import HostBufferPool
@@ -266,7 +266,8 @@ class _Write:
         problem = None
         try:
             dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
-            sums = checksums(dcp_files(staged, self.rank))
+            # Rank 0 (DCP's coordinator) also sums the metadata it wrote.
+            sums = checksums(dcp_files(staged, self.rank) + ([staged / METADATA] if self.rank == 0 else []))
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
         _agree(comm, problem, group, self.root, self.tag, self.rank)
@@ -277,6 +278,7 @@ class _Write:
             try:
                 temporary = staged / f".{ENGINE_FILE}.tmp"
                 torch.save(self.engine_state | {"files": files}, temporary)
+                write_engine_sum(temporary)
                 os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
                 publish(self.root, self.tag, self.save_latest)
             except Exception as error:  # noqa: BLE001 - told to every rank below
@@ -333,8 +335,10 @@ def _agree(comm: Communicator, problem: str | None, group: Any, root: Path, tag:
 
 
 def read_engine_state(path: Path, weights_only: bool = True) -> dict[str, Any]:
-    """The engine file, weights-only unless the caller trusts it (zero3.checkpoint.trust)."""
+    """The engine file, checked against its sum, then read weights-only unless the caller trusts it
+    (zero3.checkpoint.trust)."""
     file = path / ENGINE_FILE
+    check_engine_file(path)
     try:
         state = load_engine_file(file, weights_only)
     except CheckpointError:

@@ -24,6 +24,9 @@ import zlib
 from pathlib import Path
 
 ENGINE_FILE = "zero3_engine.pt"
+# The engine file's own size and CRC-32 (it holds every other file's): checked before it is read.
+ENGINE_SUM = "zero3_engine.pt.crc32"
+METADATA = ".metadata"
 LATEST = "latest"
 INCOMPLETE = ".incomplete"
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=+-]*")
@@ -86,6 +89,25 @@ def crc32(path: Path) -> int:
 def checksums(files: list[Path]) -> dict[str, tuple[int, int]]:
     """name -> (bytes, CRC-32)."""
     return {f.name: (f.stat().st_size, crc32(f)) for f in files}
+
+
+def write_engine_sum(file: Path) -> None:
+    """Beside the engine file (before it is renamed into place): its size and CRC-32."""
+    write_atomically(file.parent / ENGINE_SUM, f"{file.stat().st_size} {crc32(file)}")
+
+
+def check_engine_file(path: Path) -> None:
+    """The engine file against its sum; a tag saved before sums were written has none and is read as is."""
+    sum_file = path / ENGINE_SUM
+    if not sum_file.is_file():
+        return
+    try:
+        size, crc = (int(part) for part in sum_file.read_text().split())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{str(sum_file)!r} cannot be read ({error})") from None
+    problems = damaged(path, {ENGINE_FILE: (size, crc)}, [ENGINE_FILE])
+    if problems:
+        raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + problems[0])
 
 
 def damaged(path: Path, expected: dict[str, tuple[int, int]], names: list[str]) -> list[str]:

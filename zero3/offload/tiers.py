@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from zero3 import accelerator
+from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.offload.disk import FileIO
 from zero3.offload.host import HostBufferPool
@@ -76,20 +78,48 @@ def check_writable_directory(key: str, path: str) -> None:
         raise TierConfigError(f"{key}={path!r}: the directory is not writable ({error.strerror or error})") from None
 
 
-def check_free_space(needs: dict[str, tuple[str, int]]) -> None:
-    """`needs`: key -> (path, bytes). Paths on one filesystem add up; fails before any file is written."""
-    by_device: dict[int, list[tuple[str, str, int]]] = {}
-    for key, (path, nbytes) in needs.items():
-        by_device.setdefault(os.stat(path).st_dev, []).append((key, path, nbytes))
-    for entries in by_device.values():
-        needed = sum(nbytes for _, _, nbytes in entries)
-        free = shutil.disk_usage(entries[0][1]).free
+def check_free_space(needs: dict[str, tuple[str, int]], comm: Communicator | None = None) -> None:
+    """`needs`: key -> (path, bytes) of this rank's tier files. Every rank's needs on one filesystem (one
+    machine, one device id) add up, since ranks of a node usually share a disk; with `comm` every rank
+    learns every rank's verdict and raises the same TierConfigError. Fails before any file is written."""
+    host = socket.gethostname()
+    mine = [(host, os.stat(path).st_dev, key, path, nbytes) for key, (path, nbytes) in needs.items()]
+    everyone = comm.all_gather_objects(mine) if comm is not None else [mine]
+    by_disk: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
+    for rank, entries in enumerate(everyone):
+        for machine, device, key, path, nbytes in entries:
+            by_disk.setdefault((machine, device), []).append((rank, key, path, nbytes))
+    problem = None
+    for (machine, device), entries in by_disk.items():
+        if machine != host or not any(device == d for _, d, *_ in mine):
+            continue  # another machine's disk: its own ranks check it
+        needed = sum(nbytes for *_, nbytes in entries)
+        free = shutil.disk_usage(next(path for m, d, _, path, _ in mine if d == device)).free
         if needed > free:
-            keys = ", ".join(f"{key}={path!r} ({nbytes / 2**30:.2f} GiB)" for key, path, nbytes in entries)
-            raise TierConfigError(
-                f"too little free disk space for the offloaded states: {keys} need {needed / 2**30:.2f} GiB "
-                f"and {free / 2**30:.2f} GiB are free. Nothing was written."
+            ranks = sorted({rank for rank, *_ in entries})
+            keys = sorted({f"{key}={path!r}" for _, key, path, _ in entries})
+            whose = f"ranks {', '.join(map(str, ranks))} together" if len(ranks) > 1 else f"rank {ranks[0]}"
+            problem = (
+                f"too little free disk space for the offloaded states: {', '.join(keys)} need {human_bytes(needed)} "
+                f"on one filesystem ({whose}), and {human_bytes(free)} are free. Nothing was written."
             )
+            break
+    problems = comm.all_gather_objects(problem) if comm is not None else [problem]
+    found = [p for p in problems if p is not None]
+    if found:
+        raise TierConfigError(found[0])
+
+
+def human_bytes(count: int) -> str:
+    """Bytes in the largest unit that keeps the figure at least 1, three significant digits (never 0.00 GiB)."""
+    if count < 1024:
+        return f"{count} bytes"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.3g} {unit}"
+    raise AssertionError("unreachable")
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""A save that fails on I/O (here: a full disk, a small tmpfs) is every rank's CheckpointError in words;
-the partial tag is removed, `latest` still names the previous tag, training goes on, the next save works."""
+"""Full disks (a small tmpfs). A save that fails on I/O is every rank's CheckpointError in words; the
+partial tag is removed, `latest` still names the previous tag, training goes on, the next save works.
+Tier files of ranks that share a disk are counted together: every rank refuses, before writing."""
 
 from __future__ import annotations
 
@@ -94,3 +95,27 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: 
         assert result["latest"] == "a" and result["loaded"] == "a"
         assert result["after"] == ["c", "latest"]
     assert len({result["error"] for result in results}) == 1
+
+
+def shared_tier_disk(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(0)
+    model = models.TiedTransformer()
+    cfg = CONFIG | {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                          "offload_optimizer": {"device": "nvme", "nvme_path": root}}}
+    try:
+        zero3.initialize(model=model, config=cfg)
+        return {"error": ""}
+    except zero3.TierConfigError as error:
+        return {"error": str(error), "left": sorted(os.listdir(root))}
+
+
+def test_tier_files_of_ranks_sharing_a_disk_are_counted_together(small_disk: Path) -> None:
+    """With 400 KiB of the 800 KiB disk taken, each rank's optimizer files (about 340 KiB: two generations
+    of the master and Adam's moments) fit alone; both ranks' do not."""
+    Path(small_disk, "filler").write_bytes(b"\0" * 400 * 1024)
+    results = run_ranks(2, shared_tier_disk, str(small_disk))
+    for result in results:
+        assert "too little free disk space" in result["error"], result
+        assert "(ranks 0, 1 together)" in result["error"] and "KiB" in result["error"], result["error"]
+        assert result["left"] == ["filler"]  # nothing was written
+    assert results[0]["error"] == results[1]["error"]
