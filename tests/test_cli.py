@@ -153,3 +153,34 @@ def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
     assert "TierConfigError: zero_optimization.offload_optimizer.nvme_path=" in failed[0], failed[0]
     assert "does not exist" in failed[0], failed[0]
     assert last_lines[-1].startswith("zero3 train: the workers' logs are in ")
+
+
+def _train(*extra: str) -> str:
+    argv = ["train", "--nproc", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+            "--micro-batch", "2", "--precision", "fp32", *extra]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _final_loss(output: str) -> str:
+    (line,) = [line for line in output.splitlines() if line.startswith("final loss")]
+    return line.split()[-1]
+
+
+@pytest.mark.timeout(300)
+def test_cli_train_saves_and_resumes_as_if_it_never_stopped(tmp_path: Path) -> None:
+    save_dir = tmp_path / "ckpt"
+    _train("--steps", "2", "--save-dir", str(save_dir))
+    assert (save_dir / "latest").read_text().strip() == "global_step2"
+    resumed = _train("--steps", "4", "--save-dir", str(save_dir), "--resume", "--save-every", "1")
+    assert "at step 2" in resumed, resumed
+    assert (save_dir / "latest").read_text().strip() == "global_step4"
+    straight = _train("--steps", "4")
+    assert _final_loss(resumed) == _final_loss(straight)
+    assert cli.main(["train", "--resume"]) == 2  # needs --save-dir

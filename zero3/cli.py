@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed of the model init and of the batch sampling")
     run.add_argument("--log-every", type=positive_int, default=10, metavar="STEPS",
                      help="average the loss across ranks and show it every this many steps")
+    ckpt = train.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-dir", type=Path, default=None, metavar="DIR",
+                      help="save a sharded checkpoint here after the last step (and every --save-every steps)")
+    ckpt.add_argument("--save-every", type=positive_int, default=None, metavar="STEPS",
+                      help="also save every this many steps (needs --save-dir)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the checkpoint `latest` names in --save-dir (from step 0 if there is "
+                      "none); the run then ends at --steps, as if it had never stopped")
     model = train.add_argument_group("model")
     model.add_argument("--block-size", type=positive_int, default=64,
                        help="context length in characters")
@@ -433,6 +441,9 @@ class TrainJob:
     micro_batch: int
     grad_accum: int
     device: str | None = None  # None: zero3's own rule (zero3.accelerator.resolve_device)
+    save_dir: str | None = None
+    save_every: int | None = None
+    resume: bool = False
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -451,6 +462,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Validate here, once, so a bad option fails before N processes start.
         parsed = load_config(cfg)
         batch = parsed.resolve_batch(args.nproc)
+        if args.save_dir is None and (args.save_every is not None or args.resume):
+            raise ValueError("--save-every and --resume need --save-dir DIR")
     except (ValueError, ConfigError) as exc:
         # Plain print, here and below: rich would re-wrap messages and file paths.
         print(f"zero3 train: {exc}", file=sys.stderr)
@@ -466,6 +479,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         micro_batch=batch.micro_batch_per_gpu,
         grad_accum=batch.gradient_accumulation_steps,
         device=None if args.device == "auto" else args.device,
+        save_dir=str(args.save_dir) if args.save_dir is not None else None,
+        save_every=args.save_every,
+        resume=args.resume,
     )
     return _launch(job, args.nproc)
 
@@ -600,6 +616,14 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     if not console.is_terminal:
         # Piped or captured output defaults to 80 columns, too narrow for the table.
         console = Console(width=160)
+    start_step = 0
+    if job.resume and job.save_dir is not None and (Path(job.save_dir) / "latest").is_file():
+        path, client_state = engine.load_checkpoint(job.save_dir)
+        start_step = int(client_state["next_step"])
+        if rank == 0:
+            console.print(f"resumed from {path} at step {start_step}")
+    elif job.resume and rank == 0:
+        console.print(f"no checkpoint in {job.save_dir}: starting at step 0")
     micro, accum = job.micro_batch, job.grad_accum
     # The global batch of a step is every rank's every micro-step, laid out as
     # [micro-step][rank][row], so its contents do not depend on how it is split
@@ -609,9 +633,9 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     first_loss = last_loss = float("nan")
 
     with _progress(console, disable=rank != 0) as progress:
-        task = progress.add_task("train", total=job.steps, loss="-")
+        task = progress.add_task("train", total=job.steps, loss="-", completed=start_step)
         start = time.perf_counter()
-        for step in range(job.steps):
+        for step in range(start_step, job.steps):
             generator.manual_seed(_batch_seed(job.seed, step))
             x_all, y_all = sample_global_batch(tokens, job.model.block_size, global_rows, generator)
             loss_sum = torch.zeros((), device=engine.device)
@@ -625,22 +649,27 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
                 loss_sum += loss.detach().float()
             last_step = step == job.steps - 1
             # Averaging needs a collective, so only on steps every rank agrees on.
-            if step == 0 or (step + 1) % job.log_every == 0 or last_step:
+            if step == start_step or (step + 1) % job.log_every == 0 or last_step:
                 dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                 last_loss = loss_sum.item() / (accum * world)
-                if step == 0:
+                if step == start_step:
                     first_loss = last_loss
                 progress.update(task, loss=f"{last_loss:.4f}")
             progress.advance(task)
+            every = job.save_every is not None and (step + 1) % job.save_every == 0
+            if job.save_dir is not None and (every or last_step):
+                # The batches come from (seed, step): the step to go on from is all a resume needs.
+                engine.save_checkpoint(job.save_dir, client_state={"next_step": step + 1})
         elapsed = time.perf_counter() - start
+        trained = job.steps - start_step
 
     states: list[dict[str, int] | None] = [None] * world
     dist.all_gather_object(states, engine.model_state_bytes())
     skipped = int(engine.skipped_steps)
     if rank == 0:
-        tokens_per_s = job.steps * global_rows * job.model.block_size / elapsed
+        tokens_per_s = trained * global_rows * job.model.block_size / max(elapsed, 1e-9)
         console.print(_state_table(states, job.model.num_parameters(), world))
-        _print_summary(console, job, world, first_loss, last_loss, elapsed, tokens_per_s, skipped)
+        _print_summary(console, job, world, first_loss, last_loss, elapsed, tokens_per_s, skipped, start_step)
     engine.destroy()
     dist.barrier()  # rank 0 hosts the store: leave together
     dist.destroy_process_group()
@@ -717,16 +746,18 @@ def _print_summary(
     elapsed: float,
     tokens_per_s: float,
     skipped: int,
+    start_step: int = 0,
 ) -> None:
+    resumed = f", resumed at step {start_step}" if start_step else ""
     rows = [
         ("precision", job.precision),
-        ("steps", f"{job.steps} (skipped by fp16 overflow: {skipped})"),
+        ("steps", f"{job.steps} (skipped by fp16 overflow: {skipped}{resumed})"),
         ("global batch", f"{job.micro_batch * job.grad_accum * world} sequences of "
          f"{job.model.block_size} characters"),
         ("first loss", f"{first_loss:.4f}"),
         ("final loss", f"{final_loss:.4f}"),
         ("elapsed", f"{elapsed:.1f} s (training loop)"),
-        ("throughput", f"{tokens_per_s:,.0f} tokens/s ({job.steps / elapsed:.2f} steps/s)"),
+        ("throughput", f"{tokens_per_s:,.0f} tokens/s ({(job.steps - start_step) / max(elapsed, 1e-9):.2f} steps/s)"),
     ]
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")

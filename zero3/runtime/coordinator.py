@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.rank_failure import raise_peer_failure
 
 
 class TrainingState(enum.Enum):
@@ -125,7 +127,9 @@ class ParamCoordinator:
         self.persistent_unit = persistent_unit
         self._module_units = module_units
         self.live = LiveCount()
-        self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel)
+        # The forward's last marker carries whether a rank's forward raised (zero3.runtime.rank_failure).
+        self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
+        self.comm = comm
         # The backward's last marker also says whether a rank has gradients to reduce late.
         self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
@@ -237,9 +241,11 @@ class ParamCoordinator:
             self._saved_hooks.__enter__()
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Also runs when forward raises (always_call): the pass ends on every rank either way."""
+        """Also runs when forward raises (always_call): the pass ends on every rank either way, and a
+        failure on one rank is raised on every rank (zero3.runtime.rank_failure)."""
         if self._forward_depth == 0:
             return
+        failure = sys.exc_info()[1]  # set when this hook runs for a forward that raised
         self._forward_depth -= 1
         if self._forward_depth > 0:
             return
@@ -255,7 +261,9 @@ class ParamCoordinator:
         self.state = TrainingState.BACKWARD if self.in_backward else TrainingState.IDLE
         if self._walk is self.forward_walk:  # this forward began its own walk
             self._walk = None
-            self.forward_walk.end()
+            extras = self.forward_walk.end([int(failure is not None)])
+            if self.forward_walk.lockstep and any(row[0] for row in extras):
+                raise_peer_failure(self.comm, "forward", failure)
 
     def _exit_saved_hooks(self) -> None:
         if self._saved_hooks is not None:
