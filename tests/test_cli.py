@@ -114,21 +114,11 @@ def test_bad_options_fail_before_launching(tmp_path: Path, capsys: pytest.Captur
 
 @pytest.mark.timeout(300)
 def test_cli_train_two_ranks() -> None:
-    argv = ["train", "--nproc", "2", "--steps", "4", "--n-layer", "1", "--n-embd", "32",
-            "--n-head", "2", "--block-size", "16", "--micro-batch", "2", "--precision", "fp32"]
-    env = dict(os.environ)
-    # Import zero3 from this checkout whether or not it is installed.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-    assert "16P/N" in proc.stdout, output
+    output = _train("--steps", "4")
+    assert "16P/N" in output, output
     for rank_row in ("│    0 │", "│    1 │"):
-        assert rank_row in proc.stdout, output
-    assert "final loss" in proc.stdout and "tokens/s" in proc.stdout, output
+        assert rank_row in output, output
+    assert "final loss" in output and "tokens/s" in output, output
 
 
 @pytest.mark.timeout(300)
@@ -137,14 +127,7 @@ def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
     config = tmp_path / "offload.json"
     missing = str(tmp_path / "no-such-dir")
     config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": missing}}}))
-    argv = ["train", "--nproc", "2", "--steps", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-            "--block-size", "16", "--config", str(config)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = _run_train("--steps", "2", "--config", str(config))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last_lines = proc.stderr.strip().splitlines()[-3:]
     # The summary itself names the error, not only where the logs are.
@@ -155,15 +138,21 @@ def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
     assert last_lines[-1].startswith("zero3 train: the workers' logs are in ")
 
 
-def _train(*extra: str) -> str:
+def _run_train(*extra: str) -> subprocess.CompletedProcess:
+    """`zero3 train` of a tiny GPT at 2 ranks in a fresh process (zero3 from this checkout)."""
     argv = ["train", "--nproc", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
             "--micro-batch", "2", "--precision", "fp32", *extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
+
+
+def _train(*extra: str) -> str:
+    """`_run_train` that must succeed; its stdout."""
+    proc = _run_train(*extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
