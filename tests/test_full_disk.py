@@ -48,53 +48,59 @@ def step(engine: zero3.ZeroEngine, rank: int, world: int, seed: int) -> None:
     engine.step()
 
 
-def fill_then_recover(rank: int, world: int, root: str, async_save: bool) -> dict:
+def fill_then_recover(rank: int, world: int, root: str) -> list[dict]:
+    """A synchronous save, then an async one, into a disk with room for one checkpoint: each time the
+    previous tag `kept` is there, the save of a second fails, then room is made and a third works."""
     torch.manual_seed(0)
     model = models.TiedTransformer()
     engine = zero3.initialize(model=model, config=CONFIG)[0]
     step(engine, rank, world, 0)
-    engine.save_checkpoint(root, tag="a", async_save=async_save)
-    engine.wait_for_checkpoint()
-    step(engine, rank, world, 1)
-    before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
-    error = ""
-    try:
-        engine.save_checkpoint(root, tag="b", async_save=async_save)  # no room for a second one
-        if async_save:
-            step(engine, rank, world, 2)  # the steps in between are unaffected
-            engine.wait_for_checkpoint()
-    except zero3.CheckpointError as failure:
-        error = str(failure)
-    untouched = async_save or all(
-        torch.equal(before[n], zero3.safe_get_full_fp32_param(p)) for n, p in model.named_parameters())
-    leftovers = sorted(os.listdir(root))
-    latest = Path(root, "latest").read_text().strip()
-    path, _ = engine.load_checkpoint(root)  # what latest names still loads
-    step(engine, rank, world, 3)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(Path(root, "a"))  # room again
-    dist.barrier()
-    engine.save_checkpoint(root, tag="c", async_save=async_save)
-    engine.wait_for_checkpoint()
+    engine.save_checkpoint(root, tag="a")
+    rounds = []
+    for kept, failing, next_tag, async_save in (("a", "b", "c", False), ("c", "d", "e", True)):
+        step(engine, rank, world, 1)
+        before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+        error = ""
+        try:
+            engine.save_checkpoint(root, tag=failing, async_save=async_save)  # no room for a second one
+            if async_save:
+                step(engine, rank, world, 2)  # the steps in between are unaffected
+                engine.wait_for_checkpoint()
+        except zero3.CheckpointError as failure:
+            error = str(failure)
+        untouched = async_save or all(
+            torch.equal(before[n], zero3.safe_get_full_fp32_param(p)) for n, p in model.named_parameters())
+        leftovers = sorted(os.listdir(root))
+        latest = Path(root, "latest").read_text().strip()
+        path, _ = engine.load_checkpoint(root)  # what latest names still loads
+        step(engine, rank, world, 3)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(Path(root, kept))  # room again
+        dist.barrier()
+        engine.save_checkpoint(root, tag=next_tag, async_save=async_save)
+        engine.wait_for_checkpoint()
+        rounds.append({"kept": kept, "next": next_tag, "error": error, "untouched": untouched,
+                       "leftovers": leftovers, "latest": latest, "loaded": Path(path).name,
+                       "after": sorted(os.listdir(root))})
     engine.destroy()
-    return {"error": error, "untouched": untouched, "leftovers": leftovers, "latest": latest,
-            "loaded": Path(path).name, "after": sorted(os.listdir(root))}
+    return rounds
 
 
-@pytest.mark.parametrize("async_save", [False, True])
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: Path, world: int,
-                                                                    async_save: bool) -> None:
-    results = run_ranks(world, fill_then_recover, str(small_disk), async_save)
-    for result in results:
-        assert "no space left on device" in result["error"] and str(small_disk) in result["error"], result["error"]
-        assert "'latest' still names 'a'" in result["error"]
-        assert result["untouched"]
-        assert result["leftovers"] == ["a", "latest"]  # no .b.incomplete holding the space
-        assert result["latest"] == "a" and result["loaded"] == "a"
-        assert result["after"] == ["c", "latest"]
-    assert len({result["error"] for result in results}) == 1
+def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: Path, world: int) -> None:
+    """Sync and async, on 1 and 2 ranks."""
+    per_rank = run_ranks(world, fill_then_recover, str(small_disk))
+    for rounds in zip(*per_rank):  # the sync round on every rank, then the async one
+        for result in rounds:
+            kept = result["kept"]
+            assert "no space left on device" in result["error"] and str(small_disk) in result["error"], result
+            assert f"'latest' still names '{kept}'" in result["error"]
+            assert result["untouched"]
+            assert result["leftovers"] == [kept, "latest"]  # no partial tag holding the space
+            assert result["latest"] == kept and result["loaded"] == kept
+            assert result["after"] == [result["next"], "latest"]
+        assert len({result["error"] for result in rounds}) == 1
 
 
 def shared_tier_disk(rank: int, world: int, root: str) -> dict:
