@@ -392,11 +392,11 @@ def misuse(rank: int, world: int, root: str) -> dict:
         real = disk._pwrite_all
         calls = []
 
-        def flaky(fd: int, data: memoryview, offset: int) -> None:
+        def flaky(fd: int, data: memoryview, offset: int, path: Path) -> None:
             calls.append(offset)
             if len(calls) == 2:
                 raise OSError(5, "Input/output error (injected)")
-            real(fd, data, offset)
+            real(fd, data, offset, path)
 
         disk._pwrite_all = flaky
         try:

@@ -366,11 +366,10 @@ def failing_disk(rank: int, world: int, root: str, zero_name: str) -> dict:
     write = disk_io._pwrite_all
     calls = {"n": 0}
 
-    def failing(fd: int, data: memoryview, offset: int) -> None:
+    def failing(fd: int, data: memoryview, offset: int, path: Path) -> None:
         calls["n"] += 1
-        if calls["n"] > 3:
-            raise OSError(5, "Input/output error (injected)")
-        write(fd, data, offset)
+        # After 3 writes, a real EBADF from the real write (the OS names no file; the I/O layer adds it).
+        write(fd if calls["n"] <= 3 else -1, data, offset, path)
 
     disk_io._pwrite_all = failing  # type: ignore[assignment]
     out: dict[str, Any] = {}
@@ -395,7 +394,9 @@ def failing_disk(rank: int, world: int, root: str, zero_name: str) -> dict:
 @pytest.mark.parametrize("tier", ["optimizer_nvme", "both_nvme"])
 def test_a_disk_failing_mid_step_loses_nothing_and_the_step_can_be_retried(tmp_path: Path, tier: str) -> None:
     (out,) = run_ranks(1, failing_disk, str(tmp_path), tier)
-    assert out["error"] is not None and "Input/output error (injected)" in out["error"]
+    # The OS's error, with the file it hit (pwrite names none; the I/O layer adds it).
+    assert out["error"] is not None and "Bad file descriptor" in out["error"], out
+    assert "zero3-rank0-" in out["error"], out["error"]
     assert out["applied"] is False and "not applied" in out["error"]
     assert out["steps_after_failure"] == 2
     assert out["state_kept"]  # masters, moments and 16-bit shards as before the step
@@ -405,6 +406,7 @@ def test_a_disk_failing_mid_step_loses_nothing_and_the_step_can_be_retried(tmp_p
 def test_a_failed_parameter_write_after_a_landed_step_is_repaired_from_the_masters(tmp_path: Path) -> None:
     (out,) = run_ranks(1, failing_disk, str(tmp_path), "params_nvme")
     assert out["error"] is not None and out["applied"] is True and "Do not repeat the step" in out["error"]
+    assert "Bad file descriptor" in out["error"] and "zero3-rank0-" in out["error"], out["error"]  # the file
     assert out["steps_after_failure"] == 3
     assert out["losses"] == out["expected"]
 

@@ -328,6 +328,7 @@ def _agree(comm: Communicator, problem: str | None, group: Any, root: Path, tag:
         return
     if rank == 0:
         shutil.rmtree(staging_dir(root, tag), ignore_errors=True)
+    comm.barrier(group)  # every rank raises once the partial tag is gone
     latest = root / LATEST
     kept = f"'latest' still names {latest.read_text().strip()!r}" if latest.is_file() else "no tag was published"
     raise CheckpointError(f"save_checkpoint of tag {tag!r} into {str(root)!r} failed: {problems[0]}. Nothing was "

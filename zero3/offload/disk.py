@@ -80,23 +80,36 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
-def _pwrite_all(fd: int, held: list[memoryview], offset: int) -> None:
+def _naming(path: Path, error: OSError) -> OSError:
+    """The OS's error with the file it hit (pwrite and preadv report none)."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return OSError(error.errno, error.strerror, str(path))
+
+
+def _pwrite_all(fd: int, held: list[memoryview], offset: int, path: Path) -> None:
     # The chunk comes in a list the write empties: the executor's work item keeps its arguments until
     # after the future's callbacks ran, and a parked buffer's memory must be free when they do.
     data = held.pop()
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
+    try:
+        while data:
+            written = os.pwrite(fd, data, offset)
+            data = data[written:]
+            offset += written
+    except OSError as error:
+        raise _naming(path, error) from None
 
 
 def _pread_all(fd: int, into: memoryview, offset: int, path: Path) -> None:
-    while into:
-        count = os.preadv(fd, [into], offset)
-        if count == 0:
-            raise OSError(f"{path} ended at byte {offset}, before the buffer was filled")
-        into = into[count:]
-        offset += count
+    try:
+        while into:
+            count = os.preadv(fd, [into], offset)
+            if count == 0:
+                raise OSError(f"{path} ended at byte {offset}, before the buffer was filled")
+            into = into[count:]
+            offset += count
+    except OSError as error:
+        raise _naming(path, error) from None
 
 
 class Transfer:
@@ -272,7 +285,9 @@ class ThreadPoolFileIO:
             raise ValueError(f"{file.path} holds {file.nbytes} bytes; cannot write {len(data)} at {offset}")
         self.bytes_written += len(data)
         return [
-            self._executor().submit(_pwrite_all, file.fd, [data[start : start + self.chunk_bytes]], offset + start)
+            self._executor().submit(
+                _pwrite_all, file.fd, [data[start : start + self.chunk_bytes]], offset + start, file.path,
+            )
             for start in range(0, len(data), self.chunk_bytes)
         ]
 
