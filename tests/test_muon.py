@@ -43,16 +43,21 @@ def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]
     return muon, adam
 
 
-def reference(data: list, pieces: int = 1) -> tuple[list[float], nn.Module, int]:
-    """The single process; the batch in `pieces` accumulated micro-batches."""
-    torch.manual_seed(0)
-    model = models.TiedTransformer()
+def reference_optimizers(model: nn.Module) -> tuple[list[nn.Parameter], list[torch.optim.Optimizer]]:
+    """torch.optim.Muon on the model's matrices and AdamW on the rest, with the test's settings."""
     muon, adam = muon_split(model)
-    optimizers = [
+    return muon, [
         torch.optim.Muon(muon, lr=SETTINGS["muon_lr"], weight_decay=SETTINGS["weight_decay"],
                          momentum=SETTINGS["momentum"]),
         torch.optim.AdamW(adam, lr=SETTINGS["adam_lr"], weight_decay=SETTINGS["weight_decay"]),
     ]
+
+
+def reference(data: list, pieces: int = 1) -> tuple[list[float], nn.Module, int]:
+    """The single process; the batch in `pieces` accumulated micro-batches."""
+    torch.manual_seed(0)
+    model = models.TiedTransformer()
+    muon, optimizers = reference_optimizers(model)
     losses = []
     for x, y in data:
         total = 0.0
@@ -202,12 +207,7 @@ def routed_reference(world: int, reverse: bool) -> tuple[list[float], nn.Module,
     """One process, the mean of the ranks' losses (summed in rank order, or reversed: its own spread)."""
     torch.manual_seed(0)
     model = models.Routed()
-    muon, adam = muon_split(model)
-    optimizers = [
-        torch.optim.Muon(muon, lr=SETTINGS["muon_lr"], weight_decay=SETTINGS["weight_decay"],
-                         momentum=SETTINGS["momentum"]),
-        torch.optim.AdamW(adam, lr=SETTINGS["adam_lr"], weight_decay=SETTINGS["weight_decay"]),
-    ]
+    muon, optimizers = reference_optimizers(model)
     losses = []
     for x, y in models.batches("x8", STEPS, 4 * world):
         chunks = list(zip(x.chunk(world), y.chunk(world)))
