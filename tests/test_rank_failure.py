@@ -1,4 +1,4 @@
-"""One rank's failure in forward is every rank's: each rank raises the failing rank's exception type,
+"""One rank's failure in forward or backward is every rank's: each rank raises the failing rank's exception type,
 no rank aborts or waits forever, and after `engine.zero_grad()` training goes on bit-identical to a run
 that never saw the bad batch (the README's recovery pattern, with the fault on one rank only)."""
 
@@ -24,20 +24,24 @@ FAULTS = {
 }
 
 
-def run(rank: int, world: int, fault: str | None) -> dict:
-    """Train STEPS batches with the README's pattern; with `fault`, the failing rank's forward raises it on
-    BAD_STEP; without, every rank skips BAD_STEP's batch (the reference)."""
+def run(rank: int, world: int, fault: str | None, where: str = "forward") -> dict:
+    """Train STEPS batches with the README's pattern; with `fault`, the failing rank raises it in `where`
+    (fc2's forward, or its backward) on BAD_STEP; without, every rank skips BAD_STEP's batch (the
+    reference)."""
     torch.manual_seed(0)
     model = models.MLP()
     engine = zero3.initialize(model=model, config=CONFIG)[0]
     inject = [False]
 
-    def maybe_fail(module: torch.nn.Module, args: tuple) -> None:
+    def maybe_fail(*_: object) -> None:
         if inject[0]:
             raise FAULTS[fault]()  # type: ignore[index]
 
     if fault is not None and rank == FAILING_RANK:
-        model.fc2.register_forward_pre_hook(maybe_fail)
+        if where == "forward":
+            model.fc2.register_forward_pre_hook(maybe_fail)
+        else:
+            model.fc2.register_full_backward_pre_hook(maybe_fail)
     seen: list[tuple[str, str] | None] = []
     for step, (x, y) in enumerate(models.batches("x8", STEPS, 2 * world)):
         if fault is None and step == BAD_STEP:
@@ -58,27 +62,39 @@ def run(rank: int, world: int, fault: str | None) -> dict:
     return {"seen": seen, "full": full}
 
 
-def faulted_and_reference(rank: int, world: int, fault: str) -> dict:
-    return {"faulted": run(rank, world, fault), "reference": run(rank, world, None)}
+def faulted_and_reference(rank: int, world: int, faults: list[tuple[str, str]]) -> dict:
+    return {
+        "faulted": {f"{where} {fault}": run(rank, world, fault, where) for where, fault in faults},
+        "reference": run(rank, world, None),
+    }
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world", "fault"), [(2, "IndexError"), (3, "OutOfMemoryError")])
-def test_a_forward_failure_on_one_rank_is_every_ranks(world: int, fault: str) -> None:
-    results = run_ranks(world, faulted_and_reference, fault)
+def check_every_rank_raised(results: list[dict], where: str, fault: str) -> None:
     for rank, result in enumerate(results):
-        seen = result["faulted"]["seen"]
+        faulted = result["faulted"][f"{where} {fault}"]
+        seen = faulted["seen"]
         assert [step for step, what in enumerate(seen) if what is not None] == [BAD_STEP], (rank, seen)
         kind, message = seen[BAD_STEP]
         assert kind == fault, (rank, kind, message)  # the same type on every rank: one except clause
         if rank != FAILING_RANK:
-            assert message.startswith(f"rank {FAILING_RANK} failed in forward: {fault}: "), message
-        for after, reference in zip(result["faulted"]["full"], result["reference"]["full"]):
+            assert message.startswith(f"rank {FAILING_RANK} failed in {where}: {fault}: "), message
+        for after, reference in zip(faulted["full"], result["reference"]["full"]):
             assert torch.equal(after, reference)  # bit-identical to never having seen the batch
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_forward_or_backward_failure_on_one_rank_is_every_ranks(world: int) -> None:
+    faults = [("forward", "IndexError"), ("backward", "OutOfMemoryError")]
+    if world == 3:
+        faults = [("forward", "OutOfMemoryError"), ("backward", "IndexError")]
+    results = run_ranks(world, faulted_and_reference, faults)
+    for where, fault in faults:
+        check_every_rank_raised(results, where, fault)
+
+
 def test_a_failure_that_cannot_be_rebuilt_under_its_type_is_a_rank_failed_error() -> None:
-    from zero3.runtime.rank_failure import rebuild
+    from zero3.rank_failure import rebuild
 
     error = rebuild("builtins", "UnicodeDecodeError", "rank 2 failed in forward: UnicodeDecodeError: ...")
     assert isinstance(error, zero3.RankFailedError) and str(error).startswith("rank 2 failed in forward")

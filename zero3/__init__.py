@@ -21,7 +21,7 @@ from zero3.partition.gathered import GatheredParameters
 from zero3.partition.init_context import Init
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.initialize import initialize
-from zero3.runtime.rank_failure import RankFailedError
+from zero3.rank_failure import RankFailedError
 
 __version__ = "0.1.0"
 

@@ -39,6 +39,7 @@ from zero3.checkpoint.tags import (
     ENGINE_FILE, LATEST, METADATA, CheckpointError, check_engine_file, write_engine_sum, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
 )
 from zero3.comm import Communicator
+from zero3.rank_failure import describe, rebuild
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
@@ -380,15 +381,11 @@ def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> lis
     return problems
 
 
-def load(
+def _check(
     engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
-    load_lr_scheduler_states: bool, load_module_only: bool, strict: bool, weights_only: bool = True,
-) -> Restored:
-    """Check everything, then read into the engine's buffers (collective). The masters are loaded and
-    the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied.
-    Every file is read by every rank before the first collective, so a refused file (see
-    zero3.checkpoint.trust) raises the same error on every rank."""
-    comm = engine.comm
+    load_module_only: bool, strict: bool, weights_only: bool,
+) -> tuple[Path, dict[str, Any], bool, dict[str, Any], dict[str, Any]]:
+    """This rank's checks of a checkpoint before a load reads anything into the engine (no collective)."""
     path = resolve(load_dir, tag)
     state = read_engine_state(path, weights_only)
     optimizer = engine.optimizer
@@ -415,10 +412,38 @@ def load(
             f"the checkpoint {str(path)!r} does not fit this model ({len(problems)} differences):\n  "
             + "\n  ".join(problems)
         )
-    # Every file's checksum, the work split across ranks, before anything changes.
-    names = sorted(state["files"])
-    found = [line for lines in comm.all_gather_objects(
-        damaged(path, state["files"], names[engine.rank :: engine.world_size])) for line in lines]
+    return path, state, with_optimizer, saved_entries, wanted
+
+
+def load(
+    engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
+    load_lr_scheduler_states: bool, load_module_only: bool, strict: bool, weights_only: bool = True,
+) -> Restored:
+    """Check everything, then read into the engine's buffers (collective). The masters are loaded and
+    the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied.
+    Every file is read by every rank before the first collective, so a refused file (see
+    zero3.checkpoint.trust) raises the same error on every rank."""
+    comm = engine.comm
+    optimizer = engine.optimizer
+    own: Exception | None = None
+    found: list[str] = []
+    try:
+        path, state, with_optimizer, saved_entries, wanted = _check(engine, load_dir, tag, load_optimizer_states,
+                                                                    load_module_only, strict, weights_only)
+        # Every file's checksum, the work split across ranks, before anything changes.
+        names = sorted(state["files"])
+        found = damaged(path, state["files"], names[engine.rank :: engine.world_size])
+    except Exception as error:  # noqa: BLE001 - every rank raises it, below
+        own = error
+    # One exchange: what each rank's checks found (a rank may see other files than the rest: its own disk).
+    everyone = comm.all_gather_objects((describe(own), found))
+    if own is not None:
+        raise own
+    for rank, (failure, _) in enumerate(everyone):
+        if failure is not None:
+            module, qualname, text, fields = failure
+            raise rebuild(module, qualname, f"rank {rank} failed in load_checkpoint: {text}", fields)
+    found = [line for _, lines in everyone for line in lines]
     if found:
         raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
     if not strict:

@@ -12,10 +12,11 @@ Each state has two files, generations A and B. A step reads every
 sub-group's window from the current generation and writes it, stepped, to
 the other, through `buffer_count` rotating host windows: the reads of the
 next sub-groups run ahead and the writes of the last ones finish behind.
-Only when every write has landed does the other generation become current,
-so a disk that fails mid-step loses nothing: the step raises and the current
-generation still holds the state as before (the 16-bit gradients stay in
-memory). The price is twice the optimizer state's bytes on disk, reserved up
+Only when every write has landed, and every rank's step has (the optimizer
+calls `commit` once the ranks agree), does the other generation become
+current, so a disk that fails mid-step, on this rank or another, loses
+nothing: the step raises and the current generation still holds the state as
+before (the 16-bit gradients stay in memory). The price is twice the optimizer state's bytes on disk, reserved up
 front; the windows exist only during the walk.
 """
 
@@ -53,6 +54,14 @@ class OptimizerStates(Protocol):
         only reads: nothing it does to a window is kept."""
         ...
 
+    def commit(self) -> None:
+        """Keep what the last walk wrote (every rank's step succeeded)."""
+        ...
+
+    def abandon(self) -> None:
+        """Drop what the last walk wrote, where the tier can (see `transactional`)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -78,6 +87,12 @@ class MemoryOptimizerStates:
         for index, (offset, numel) in enumerate(ranges):
             if index not in skip:
                 visit(index, {name: buffer.view(offset, numel) for name, buffer in self.buffers.items()})
+
+    def commit(self) -> None:
+        pass  # the walk updated the buffers in place
+
+    def abandon(self) -> None:
+        pass  # nothing to drop: in place (not transactional)
 
     def close(self) -> None:
         pass
@@ -123,6 +138,7 @@ class DiskOptimizerStates:
         # Both generations reserved at once: too little space fails here, before anything is written.
         self.files = disk.reserve(root, files, purpose="keep the optimizer state (offload_optimizer)")
         self.generation = "A"
+        self.written: str | None = None  # the generation the last walk wrote, until commit or abandon
         self.buffers: dict[str, FlatBuffer] = {}
         for name in names:
             buffer = FlatBuffer(name, torch.empty(numel, dtype=torch.float32, device="meta"), state=_state_of(name))
@@ -264,7 +280,14 @@ class DiskOptimizerStates:
                 "gradients are kept; call engine.step() again once the disk is healthy.",
                 step_applied=False,
             ) from error
-        self.generation = target
+        self.written = target
+
+    def commit(self) -> None:
+        if self.written is not None:
+            self.generation, self.written = self.written, None
+
+    def abandon(self) -> None:
+        self.written = None
 
     def close(self) -> None:
         for file in self.files.values():

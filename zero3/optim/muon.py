@@ -191,13 +191,19 @@ class MatrixExchange:
 
     def orthogonalize(self, flat: torch.Tensor, active: set[Any]) -> None:
         """In place: each active matrix's shard of its direction becomes its shard of the orthogonalized
-        update (bf16 values, as torch's Newton-Schulz returns them, held in `flat`'s dtype)."""
+        update (bf16 values, as torch's Newton-Schulz returns them, held in `flat`'s dtype).
+
+        If Newton-Schulz fails here (out of memory), this rank still sends and receives every bucket
+        (garbage, from memory it already holds), so the other ranks' exchange completes; then it raises."""
+        failure: Exception | None = None
         for bucket in self.buckets:
             live = [m for m in bucket if m.key in active]
             if live:
-                self._bucket(flat, live)
+                failure = self._bucket(flat, live, failure)
+        if failure is not None:
+            raise failure
 
-    def _bucket(self, flat: torch.Tensor, live: list[Matrix]) -> None:
+    def _bucket(self, flat: torch.Tensor, live: list[Matrix], failure: Exception | None) -> Exception | None:
         size, rank = self.size, self.rank
         by_owner = [[m for m in live if m.owner == r] for r in range(size)]
         sent_numel = [sum(m.shard_numel for m in owned) for owned in by_owner]
@@ -210,11 +216,34 @@ class MatrixExchange:
             outgoing = torch.cat([flat[m.offset : m.offset + m.shard_numel] for owned in by_owner for m in owned])
             gathered = flat.new_empty(per_source * size)
             dist.all_to_all_single(gathered, outgoing, [per_source] * size, sent_numel, group=self.group)
-        # Each owned matrix whole: its shards from every rank, in rank order, the padding cut off.
+            returned = flat.new_empty(sum(sent_numel), dtype=torch.bfloat16)
+        # Newton-Schulz answers in bf16 on every rank: the result travels as it is.
+        back = gathered.view(torch.bfloat16)[: per_source * size]  # what a rank that failed sends
+        if failure is None:
+            try:
+                back = self._owned_updates(gathered, mine, per_source)
+            except Exception as error:  # noqa: BLE001 - raised once every bucket is exchanged
+                failure = error
+        if size == 1:
+            returned = back
+        else:
+            dist.all_to_all_single(returned, back, sent_numel, [per_source] * size, group=self.group)
+        cursor = 0
+        for owned in by_owner:
+            for m in owned:
+                flat[m.offset : m.offset + m.shard_numel].copy_(returned[cursor : cursor + m.shard_numel])
+                cursor += m.shard_numel
+        return failure
+
+    def _owned_updates(self, gathered: torch.Tensor, mine: list[Matrix], per_source: int) -> torch.Tensor:
+        """This rank's matrices, each whole from every rank's shard, orthogonalized; laid out for the
+        return exchange (rank-major: each rank's shards of them in order)."""
+        size = self.size
         sources = gathered.view(size, per_source)
         results = []
         cursor = 0
         for m in mine:
+            # Each owned matrix whole: its shards from every rank, in rank order, the padding cut off.
             whole = sources[:, cursor : cursor + m.shard_numel].reshape(-1)[: m.numel].view(m.shape)
             update = _zeropower_via_newtonschulz(
                 whole, self.settings.ns_coefficients, self.settings.ns_steps, self.settings.eps,
@@ -223,16 +252,8 @@ class MatrixExchange:
             padded[: m.numel] = update.reshape(-1)
             results.append(padded.view(size, m.shard_numel))
             cursor += m.shard_numel
-        # Newton-Schulz answers in bf16 on every rank: the result travels as it is.
-        empty = flat.new_empty(0, dtype=torch.bfloat16)
+        if not results:
+            return gathered.new_empty(0, dtype=torch.bfloat16)
         if size == 1:
-            returned = torch.cat([r[0] for r in results]) if results else empty
-        else:
-            back = torch.cat([r[s] for s in range(size) for r in results]) if results else empty
-            returned = flat.new_empty(sum(sent_numel), dtype=torch.bfloat16)
-            dist.all_to_all_single(returned, back, sent_numel, [per_source] * size, group=self.group)
-        cursor = 0
-        for owned in by_owner:
-            for m in owned:
-                flat[m.offset : m.offset + m.shard_numel].copy_(returned[cursor : cursor + m.shard_numel])
-                cursor += m.shard_numel
+            return torch.cat([r[0] for r in results])
+        return torch.cat([r[s] for s in range(size) for r in results])

@@ -44,6 +44,7 @@ from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.rank_failure import raise_agreed_failure
 
 log = logging.getLogger("zero3")
 
@@ -83,12 +84,25 @@ class EngineParts:
                 unit.reshard()
                 unit.unshard()
 
-    def repair_lp(self) -> None:
+    def repair_lp(self, where: str) -> None:
         """16-bit shards that do not follow their masters (a step failed on disk after writing some, or
-        a load put new masters in) are rewritten from the masters, and what is gathered follows."""
-        if self.optimizer is not None and self.optimizer.lp_stale:
+        a load put new masters in) are rewritten from the masters, and what is gathered follows.
+
+        `lp_stale` is the same on every rank (the step and the load set it everywhere), so every rank
+        comes here together; if the rewrite fails on one (its disk), every rank raises before the
+        gathers that follow, and the shards stay stale everywhere, to be repaired at the next try."""
+        if self.optimizer is None or not self.optimizer.lp_stale:
+            return
+        failure: Exception | None = None
+        try:
             self.optimizer.repair_lp()
-            self.refresh_gathered()
+        except Exception as error:  # noqa: BLE001 - every rank raises it, below
+            failure = error
+        comm = self.coordinator.comm
+        if comm.any_of_flags([failure is not None])[0]:
+            self.optimizer.lp_stale = True
+            raise_agreed_failure(comm, where, failure)
+        self.refresh_gathered()
 
     def check_between_steps(self, what: str) -> None:
         """Refuse `engine.<what>()` inside a pass or a GatheredParameters block."""

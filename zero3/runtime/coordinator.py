@@ -46,7 +46,7 @@ from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.rank_failure import raise_peer_failure
+from zero3.rank_failure import raise_peer_failure
 
 
 class TrainingState(enum.Enum):
@@ -127,11 +127,11 @@ class ParamCoordinator:
         self.persistent_unit = persistent_unit
         self._module_units = module_units
         self.live = LiveCount()
-        # The forward's last marker carries whether a rank's forward raised (zero3.runtime.rank_failure).
+        # The forward's last marker carries whether a rank's forward raised (zero3.rank_failure).
         self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
         self.comm = comm
-        # The backward's last marker also says whether a rank has gradients to reduce late.
-        self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
+        # The backward's last marker also says whether a rank has gradients to reduce late, and whether it failed.
+        self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
@@ -242,7 +242,7 @@ class ParamCoordinator:
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Also runs when forward raises (always_call): the pass ends on every rank either way, and a
-        failure on one rank is raised on every rank (zero3.runtime.rank_failure)."""
+        failure on one rank is raised on every rank (zero3.rank_failure)."""
         if self._forward_depth == 0:
             return
         failure = sys.exc_info()[1]  # set when this hook runs for a forward that raised

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -116,8 +117,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
+        self._check_consistent("forward")
         self._require_resident("forward", FORWARD_NEEDS)
-        self.parts.repair_lp()
+        self.parts.repair_lp("forward")
         if self.compute_dtype != torch.float32:
             # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
             def cast(value: Any) -> Any:
@@ -149,8 +151,11 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
             self.parts.backward.begin()
             try:
                 scaled.backward(retain_graph=retain_graph)
-            finally:
-                self.parts.backward.finish()
+            except BaseException as failure:
+                # Ends the pass on every rank; the others raise this rank's failure (zero3.rank_failure).
+                self.parts.backward.finish(failure)
+                raise
+            self.parts.backward.finish()
         return loss
 
     def zero_grad(self) -> None:
@@ -161,7 +166,14 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         Call it on every rank.
         """
         self._check_alive()
-        self.parts.backward.finish()
+        if self.parts.backward.open:
+            # A backward still open here was ended by an exception (a plain loss.backward() that raised:
+            # the one being handled) or abandoned; either way the other ranks raise it at their next
+            # engine.step(), rather than step alone.
+            failure = sys.exc_info()[1] or RuntimeError(
+                "engine.zero_grad() dropped a backward pass that engine.step() had not ended"
+            )
+            self.parts.backward.finish(failure)
         self.coordinator.reset()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -174,6 +186,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         self._check_alive()
         if self.optimizer is None:
             raise RuntimeError(f"engine.step {NO_OPTIMIZER}")
+        self._check_consistent("step")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)
@@ -271,6 +284,11 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this zero3 engine was destroyed")
+
+    def _check_consistent(self, what: str) -> None:
+        """Refuse to train on shards from different steps (zero3.runtime.optimizer's Note)."""
+        if self.optimizer is not None and self.optimizer.diverged is not None:
+            raise RuntimeError(f"engine.{what}() refused: {self.optimizer.diverged}")
 
     def destroy(self) -> None:
         """Remove every hook and free every buffer. The engine is unusable afterwards."""

@@ -134,7 +134,7 @@ class CheckpointMethods:
 
         self._check_alive()
         self.parts.check_between_steps("iter_full_params")
-        self.parts.repair_lp()
+        self.parts.repair_lp("iter_full_params")
         return full_params.stream(
             self.module, self.gather, self.offloader, self.compute_dtype if dtype is None else dtype, names,
         )
@@ -178,7 +178,7 @@ class CheckpointMethods:
             self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
             load_module_strict, weights_only,
         )
-        self.parts.repair_lp()  # the load marked the 16-bit shards stale: they are written from the loaded masters
+        self.parts.repair_lp("load_checkpoint")  # the load marked the 16-bit shards stale: they are written from the loaded masters
         if self.optimizer is None:
             self.parts.refresh_gathered()  # what is gathered follows the parameters loaded in place
         if restored.counters is not None:
@@ -190,6 +190,8 @@ class CheckpointMethods:
                 self.lr_scheduler.load_state_dict(restored.lr_scheduler)
         if self.optimizer is not None:
             self.optimizer.zero_grad()
+            if load_optimizer_states and not load_module_only:
+                self.optimizer.diverged = None  # every rank's masters and moments are the checkpoint's again
         return restored.path, restored.client_state
 
     def _checkpointed(self) -> checkpoint_state.CheckpointedEngine:

@@ -13,6 +13,7 @@ from zero3.partition.unit import GatherUnit, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
+from zero3.rank_failure import raise_peer_failure
 
 log = logging.getLogger("zero3")
 
@@ -66,12 +67,25 @@ class BackwardPass:
         used = self.coordinator.used_since_backward
         self.reducer.begin(sp for unit in self.units if unit not in used for sp in unit.params)
 
-    def finish(self) -> None:
-        """End the backward pass on every rank together, then land every gradient reduction."""
-        if not (self.reducer.open or self.coordinator.in_backward):
+    @property
+    def open(self) -> bool:
+        return self.reducer.open or self.coordinator.in_backward
+
+    def finish(self, failure: BaseException | None = None) -> None:
+        """End the backward pass on every rank together, then land every gradient reduction.
+
+        `failure`: what ended this rank's backward early. The pass's last marker
+        carries every rank's "failed" flag; if any rank's is set, each rank that
+        did not fail raises the failing rank's exception type
+        (zero3.rank_failure), after every reduction has landed, so the
+        ranks' collectives stay paired and `engine.zero_grad()` can drop the lot.
+        """
+        if not self.open:
             return
-        extras = self.coordinator.end_backward([int(self.reducer.has_late)])
-        self.reducer.finish(any_rank_late=any(row[0] for row in extras if row))
+        extras = self.coordinator.end_backward([int(self.reducer.has_late), int(failure is not None)])
+        self.reducer.finish(any_rank_late=any(row[0] for row in extras))
+        if len(extras) > 1 and any(row[1] for row in extras):  # one row: no peers were asked
+            raise_peer_failure(self.coordinator.comm, "backward", failure)
 
     def close(self) -> None:
         for handle in self._handles:

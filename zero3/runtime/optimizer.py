@@ -48,6 +48,9 @@ from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.rank_failure import peer_failure, raise_agreed_failure
+
+NOT_APPLIED = " (the step was applied on no rank)"
 
 
 @dataclass
@@ -117,6 +120,10 @@ class ZeroOptimizer:
         self.state_names = state_layout.elementwise
         self.scalar_names = state_layout.scalars
         self.states = make_states(("hp_params", *self.state_names), total, largest)
+        self.largest_sub_group = largest
+        # Set when a step failed on some rank after others had applied it in place: the ranks' states
+        # differ, and the engine refuses to train on until a checkpoint is loaded.
+        self.diverged: str | None = None
         self.hp_params = self.states.buffers["hp_params"]
         self.moments = {name: self.states.buffers[name] for name in self.state_names}
         # The reduced gradients (the engine's, laid out in this optimizer's order): accumulated across
@@ -209,9 +216,10 @@ class ZeroOptimizer:
             mesh.shard_rank, mesh.shard_size, group, bucket_numel, self.spec.muon,
         )
 
-    def _orthogonalize_matrices(self, coefficient: torch.Tensor | None, idle: set[int]) -> None:
+    def _orthogonalize_matrices(self, coefficient: torch.Tensor | None, idle: set[int], work: torch.Tensor) -> None:
         """Phases 1 and 2 of zero3.optim.muon's Note: this rank's shards of every stepped matrix's
-        direction (the state only read), then the exchange that orthogonalizes them."""
+        direction (the state only read), then the exchange that orthogonalizes them. A failure in the
+        first phase still joins the exchange (its collectives pair with the other ranks'), then raises."""
         assert self.exchange is not None
         arrived = self.grads.arrived
         skip = {index for index, sub in enumerate(self.sub_groups) if not sub.muon} | idle
@@ -219,7 +227,7 @@ class ZeroOptimizer:
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
             group = self.optimizer.param_groups[sub.group_index]
-            grad = self._fp32_grads(sub.numel, window["hp_params"].device)
+            grad = work[: sub.numel]
             grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
             if coefficient is not None:
                 grad.mul_(coefficient)
@@ -234,8 +242,14 @@ class ZeroOptimizer:
                         direction(piece_grad, buffer, group["momentum"], group["nesterov"]))
                 cursor += piece.numel
 
-        self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, skip, readonly=True)
+        failure: Exception | None = None
+        try:
+            self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, skip, readonly=True)
+        except Exception as error:  # noqa: BLE001 - raised below, once the exchange is done
+            failure = error
         self.exchange.orthogonalize(self.muon_directions, {m.key for m in self.exchange.matrices if arrived[m.key]})
+        if failure is not None:
+            raise failure
 
     @property
     def step_device(self) -> torch.device:
@@ -297,9 +311,10 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.grads.zero()
 
-    def agree_on_gradients(self) -> torch.Tensor:
+    def agree_on_gradients(self, failed: bool = False) -> tuple[torch.Tensor, bool]:
         """The global squared grad norm (still loss-scaled; inf/nan on overflow), as a tensor on the
-        device that nothing reads, and which parameters got a gradient on ANY rank.
+        device that nothing reads; which parameters got a gradient on ANY rank; and whether any rank
+        `failed` getting ready to step.
 
         A parameter some rank did not use still has a gradient (zero there, the
         others' elsewhere), and each rank steps only its own shard of it: all
@@ -308,26 +323,60 @@ class ZeroOptimizer:
         them never waits on the accelerator (see [Note: a step without host syncs]).
         """
         squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
-        if self.params:
-            arrived = self.grads.arrived
-            agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params])
-            for sp, flag in zip(self.params, agreed):
-                arrived[sp] = flag
-        return squared[0]
+        arrived = self.grads.arrived
+        agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params] + [failed])
+        for sp, flag in zip(self.params, agreed):
+            arrived[sp] = flag
+        return squared[0], agreed[-1]
 
     # ---- step ------------------------------------------------------------------
+    # [Note: a step on every rank or on none]
+    # Each rank steps its own shards, so a step that lands on some ranks and not
+    # on others leaves every parameter's shards from two different steps. So a
+    # step is agreed twice, on host flags of the gloo control group:
+    # * before anything changes: what can fail without changing state (the
+    #   16-bit repair, the step's working memory, Muon's read-only phase) runs
+    #   first, and its outcome rides on the gradient flags the step agrees
+    #   anyway (`agree_on_gradients`; Muon adds one flag round after its
+    #   exchange). If any rank failed, every rank raises and none has stepped.
+    # * after the walk: one flag round. A disk tier's walk only wrote the next
+    #   generation (zero3.offload.optimizer_tier), so it is committed when every
+    #   rank's walk succeeded and abandoned on every rank otherwise (the step
+    #   counts and 16-bit shards put back): a failing disk on one rank is a
+    #   step applied nowhere. A memory tier steps in place, with nothing left
+    #   that allocates (the working memory is taken before the first
+    #   agreement); if one rank's update still fails, the others have applied
+    #   it: every rank raises, says so, and the engine refuses to train on
+    #   (`diverged`) until a checkpoint is loaded. A failed write of the 16-bit
+    #   shards after a landed step is every rank's StepIOError(step_applied=True).
+    # A rank that failed still joins every collective of the step in order, so
+    # no rank waits on one that left.
     def step(self) -> tuple[bool, torch.Tensor]:
         """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow (see the Note:
         `stepped` is False only for a dynamic loss scale's skip; other skips are counted in `skipped`).
 
-        If the tier's disk fails mid-step, raises OffloadIOError. A disk tier
-        then still holds the state as before the step (see
-        zero3.offload.optimizer_tier's Note) and the step counts are restored;
-        the gradients are kept, so the step can be retried.
+        If any rank fails, every rank raises (see [Note: a step on every rank or on
+        none]); a failed disk tier leaves the state as it was before the step and
+        keeps the gradients, so the step can be retried (StepIOError(step_applied=False)).
         """
-        self.repair_lp()
+        failure: Exception | None = None
+        work: torch.Tensor | None = None
+        repairing = self.lp_stale  # the same on every rank (see repair_lp)
+        try:
+            self.repair_lp()
+            # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
+            # out-of-memory here is a step no rank applies.
+            work = self._fp32_grads(self.largest_sub_group, self.step_device)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, below
+            failure = error
         scale = self.loss_scaler.loss_scale
-        squared = self.agree_on_gradients()
+        squared, any_failed = self.agree_on_gradients(failed=failure is not None)
+        if any_failed:
+            self.lp_stale = repairing  # kept alike on every rank
+            raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
+        assert work is not None
+        scaler_before = self.loss_scaler.state_dict()
+        skipped_before = self.skipped.clone()
         norm = squared.sqrt() / scale
         overflow = ~torch.isfinite(squared)
         found_inf: torch.Tensor | None = None
@@ -360,65 +409,100 @@ class ZeroOptimizer:
             coefficient = coefficient.to(self.step_device)
         if found_inf is not None:
             found_inf = found_inf.to(self.step_device)
+
+        def put_back() -> None:
+            self.loss_scaler.load_state_dict(scaler_before)
+            self.skipped.copy_(skipped_before)
+
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
         if self.exchange is not None:
-            self._orthogonalize_matrices(coefficient, idle)
+            try:
+                self._orthogonalize_matrices(coefficient, idle, work)
+            except Exception as error:  # noqa: BLE001 - every rank raises it, below
+                failure = error
+            if self.comm.any_of_flags([failure is not None])[0]:
+                put_back()
+                raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
         before = self._scalar_snapshot()
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
         # next one steps), except into a disk file beside masters kept in memory: those masters are
-        # updated in place, so the shards go after the whole walk (see the except clause below).
+        # updated in place, so the shards go after the whole walk.
         during = streamed or not self._lp_on_disk
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
-            self._step_sub_group(self.sub_groups[index], window, coefficient, found_inf)
+            sub = self.sub_groups[index]
+            self._step_sub_group(sub, window, coefficient, found_inf, work[: sub.numel])
             if during:
-                self._write_lp(self.sub_groups[index], window["hp_params"])
+                self._write_lp(sub, window["hp_params"])
 
+        lp_failure: OSError | None = None
         try:
             self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle)
-        except BaseException:
-            self._restore_scalars(before)
-            if streamed:
-                # Some shards were written from masters that did not land: back to the old masters'
-                # values now, or (the disk still failing) before the next use.
-                self.lp_stale = True
+            if not during:
                 try:
-                    self.repair_lp()
-                except OSError:
-                    pass
-            raise
+                    for index, sub in enumerate(self.sub_groups):
+                        if index not in idle:
+                            self._write_lp(sub, self.hp_params.view(sub.offset, sub.numel))
+                except OSError as error:
+                    lp_failure = error
+        except Exception as error:  # noqa: BLE001 - every rank raises it, below
+            failure = error
         finally:
             if streamed:
                 self.unbind_views()  # the windows are reused: no view of them may outlive the walk
+        any_failed, any_lp_failed = self.comm.any_of_flags([failure is not None, lp_failure is not None])
+        if any_failed:
+            self._abandon(before, put_back, streamed)
+            if streamed:
+                raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
+            self.diverged = (
+                "an optimizer step failed on one rank after the others had applied it in place, so the ranks' "
+                "shards are now from different steps; load the last checkpoint (engine.load_checkpoint) "
+                "before training on"
+            )
+            raise_agreed_failure(self.comm, "step", failure, f" ({self.diverged})")
+        self.states.commit()
         self.lp_write_error = None
-        if not during:
-            try:
-                for index, sub in enumerate(self.sub_groups):
-                    if index not in idle:
-                        self._write_lp(sub, self.hp_params.view(sub.offset, sub.numel))
-            except OSError as error:
-                # The step landed; the shards are rewritten from it before the next use, and the
-                # engine reports the failure once its own bookkeeping of the step is done.
-                self.lp_stale = True
-                self.lp_write_error = StepIOError(
-                    f"the optimizer step was applied, but writing the new 16-bit parameters to disk failed: "
-                    f"{error}. Nothing is lost: they are rewritten from the fp32 masters before the next "
-                    "forward. Do not repeat the step.",
-                    step_applied=True,
-                )
+        if any_lp_failed:
+            # The step landed everywhere; the shards are rewritten from it before the next use, and the
+            # engine reports the failure on every rank once its own bookkeeping of the step is done.
+            self.lp_stale = True  # on every rank, so they repair together (a rewrite where none failed)
+            own = None if lp_failure is None else StepIOError(
+                f"the optimizer step was applied, but writing the new 16-bit parameters to disk failed: "
+                f"{lp_failure}. Nothing is lost: they are rewritten from the fp32 masters before the next "
+                "forward. Do not repeat the step.",
+                step_applied=True,
+            )
+            peer = peer_failure(self.comm, "step", own)
+            self.lp_write_error = own if own is not None else peer  # type: ignore[assignment]
         self.zero_grad()
         return True, norm
 
+    def _abandon(self, before: list[tuple[nn.Parameter, dict[str, Any] | None]], put_back: Callable[[], None],
+                 streamed: bool) -> None:
+        """After a walk that failed on some rank: what the step changed here, put back where it can be."""
+        self._restore_scalars(before)
+        put_back()
+        if streamed:
+            self.states.abandon()
+            # Shards were written from masters that did not land: back to the old masters' values now, or,
+            # where a disk still fails, on every rank before the next use (lp_stale stays alike everywhere).
+            self.lp_stale = True
+            failed = False
+            try:
+                self.repair_lp()
+            except OSError:
+                failed = True
+            self.lp_stale = self.comm.any_of_flags([failed])[0]
+
     def _step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
+        found_inf: torch.Tensor | None, grad: torch.Tensor,
     ) -> None:
-        hp = window["hp_params"]
-        # This sub-group's fp32 gradients, made here from the 16-bit ones (never stored), in the
-        # idle reduce bucket when it is large enough: a fresh buffer page-faults in every step.
-        grad = self._fp32_grads(sub.numel, hp.device)
+        # This sub-group's fp32 gradients, made in `grad` from the 16-bit ones (never stored): the step's
+        # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults).
         grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient is not None:
             grad.mul_(coefficient)
