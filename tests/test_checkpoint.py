@@ -247,7 +247,10 @@ def snapshot(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
     return local_state(engine, engine.module)
 
 
-def bad_loads(rank: int, world: int, root: str, good: str) -> dict:
+DAMAGED_FILES = ("truncated", "corrupted", "unfinished", "engine_flip", "metadata_shift")
+
+
+def bad_loads(rank: int, world: int, root: str, good: str, only: tuple[str, ...] | None = None) -> dict:
     import shutil
 
     cases: dict[str, tuple[Any, str, dict]] = {}
@@ -297,6 +300,8 @@ def bad_loads(rank: int, world: int, root: str, good: str) -> dict:
     }
     out: dict[str, Any] = {}
     for case, (model_args, where, kwargs) in cases.items():
+        if only is not None and case not in only:
+            continue
         cfg = config("fp32", root)
         if case == "adam":
             cfg["optimizer"] = {"type": "Adam", "params": {"lr": 3e-3, "adam_w_mode": False}}  # L2, not AdamW
@@ -332,8 +337,27 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(
     assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
     assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
     assert "optimizer is AdamW" in out["adam"] and "Adam" in out["adam"]
+    check_damaged_files_refused(out)
+
+
+def check_damaged_files_refused(out: dict[str, Any]) -> None:
+    for case in DAMAGED_FILES:
+        assert out[f"{case}/unchanged"], case
+    assert "__1_0.distcp" in out["truncated"] and "truncated" in out["truncated"]
+    assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
+    assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
     assert "zero3_engine.pt" in out["engine_flip"] and "corrupted" in out["engine_flip"], out["engine_flip"]
     assert ".metadata" in out["metadata_shift"] and "corrupted" in out["metadata_shift"], out["metadata_shift"]
+
+
+def test_damaged_checkpoint_files_are_refused_on_every_rank_at_three_ranks(
+    saved: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    """The 2-rank checkpoint's damaged copies, loaded by 3 ranks: every rank refuses, naming the file."""
+    root, _ = saved
+    good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
+    for out in run_ranks(3, bad_loads, str(tmp_path), good, DAMAGED_FILES):
+        check_damaged_files_refused(out)
 
 
 # ---- 6: async save ----------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Full disks (a small tmpfs). A save that fails on I/O is every rank's CheckpointError in words; the
+"""Full and read-only disks. A save that fails on I/O (a small tmpfs, full; a directory read-only for one
+rank only, through that rank's own mount namespace) is every rank's CheckpointError in words; the
 partial tag is removed, `latest` still names the previous tag, training goes on, the next save works.
 Tier files of ranks that share a disk are counted together: every rank refuses, before writing."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -89,7 +91,8 @@ def fill_then_recover(rank: int, world: int, root: str) -> list[dict]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: Path, world: int) -> None:
-    """Sync and async, on 1 and 2 ranks."""
+    """Sync and async, on 1 and 2 ranks (3 ranks' first checkpoint does not fit this disk; the read-only
+    directory below fails one rank of 3)."""
     per_rank = run_ranks(world, fill_then_recover, str(small_disk))
     for rounds in zip(*per_rank):  # the sync round on every rank, then the async one
         for result in rounds:
@@ -101,6 +104,71 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(small_disk: 
             assert result["latest"] == kept and result["loaded"] == kept
             assert result["after"] == [result["next"], "latest"]
         assert len({result["error"] for result in rounds}) == 1
+
+
+CLONE_NEWNS = 0x00020000
+
+
+def read_only_for(root: str) -> str:
+    """Make `root` read-only for this process alone: a mount namespace of its own, with `root` bound
+    read-only onto itself (the other ranks still write there). Returns "" or why it cannot be done."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"
+    for command in (["mount", "--make-rprivate", "/"], ["mount", "--bind", root, root],
+                    ["mount", "-o", "remount,bind,ro", root]):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"{' '.join(command)}: {done.stderr.strip()}"
+    return ""
+
+
+def read_only_on_one_rank(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(0)
+    model = models.TiedTransformer()
+    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    step(engine, rank, world, 0)
+    engine.save_checkpoint(root, tag="a")
+    dist.barrier()
+    why_not = read_only_for(root) if rank == 1 else ""
+    reasons: list = [None] * world
+    dist.all_gather_object(reasons, why_not)
+    out: dict = {}
+    if any(reasons):
+        out["skipped"] = next(reason for reason in reasons if reason)
+        engine.destroy()
+        return out
+    step(engine, rank, world, 1)
+    before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    try:
+        engine.save_checkpoint(root, tag="b")
+        out["error"] = None
+    except zero3.CheckpointError as error:
+        out["error"] = str(error)
+    out["untouched"] = all(torch.equal(before[n], zero3.safe_get_full_fp32_param(p))
+                           for n, p in model.named_parameters())
+    out["listing"] = sorted(os.listdir(root))
+    out["latest"] = Path(root, "latest").read_text().strip()
+    step(engine, rank, world, 2)  # training goes on
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_checkpoint_directory_read_only_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path, world: int
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount for one rank needs root (this process is not)")
+    results = run_ranks(world, read_only_on_one_rank, str(tmp_path))
+    if "skipped" in results[0]:
+        pytest.skip(f"no mount namespace for one rank here: {results[0]['skipped']}")
+    for rank, result in enumerate(results):
+        assert result["error"] is not None and "rank 1" in result["error"], (rank, result)
+        assert "read-only file system" in result["error"] and "'latest' still names 'a'" in result["error"], result
+        assert result["untouched"], rank
+        assert result["listing"] == ["a", "latest"] and result["latest"] == "a", result  # no partial tag
+    assert len({result["error"] for result in results}) == 1
 
 
 def shared_tier_disk(rank: int, world: int, root: str) -> dict:

@@ -1,17 +1,32 @@
 """One rank's failure, told to every rank (issue: "One rank's failure is every rank's").
 
-When a pass ends, its last marker already carries a flag from every rank (see
-zero3.runtime.gather_walk); a rank that raised sets its flag. If any did,
-every rank exchanges what happened, and each rank that did not fail raises
-the failing rank's exception type with "rank R failed in forward: ..." so that
-the same `except` clause runs on every rank and `engine.zero_grad()` is
-called everywhere. The failing rank's own exception propagates unchanged.
+A rank that fails alone (its batch, its memory, its disk) must not leave the
+others waiting in a collective it will never make, or stepping while it does
+not. So wherever a rank can fail alone, the ranks agree on a flag at a point
+they all reach:
+* a pass (forward, backward): its last marker already carries a flag per rank
+  (zero3.runtime.gather_walk); a rank that raised sets its flag, after still
+  walking the pass to its end with the others;
+* the step: its gradient flags, and one flag round after its walk
+  (zero3.runtime.optimizer's [Note: a step on every rank or on none]);
+* calls between steps (initialize's checks, offload and reload, checkpoint
+  loads): one exchange of what each rank saw (`agreed`);
+* a failure in the user's code between the engine's calls (one rank's data,
+  a check on its loss): `engine.zero_grad()` makes that rank's part of the
+  call the others are in, as a rank that failed (zero3.runtime.engine's
+  [Note: a failure between the engine's calls]).
+If any flag is set, every rank exchanges what happened, and each rank that did
+not fail raises the failing rank's exception type with "rank R failed in
+<where>: ..." so that the same `except` clause runs on every rank and
+`engine.zero_grad()` is called everywhere. The failing rank's own exception
+propagates unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from zero3.comm import Communicator
 
@@ -60,6 +75,34 @@ def raise_agreed_failure(comm: Communicator, where: str, own: BaseException | No
     if own is not None:
         raise own
     raise RankFailedError(f"a rank failed in {where}{consequence}")  # the flags said so; none described it
+
+
+T = TypeVar("T")
+
+
+def agreed(
+    comm: Communicator, where: str, action: Callable[[], T], consequence: str = "",
+    undo: Callable[[], None] | None = None,
+) -> T:
+    """Collective: run `action` on every rank; if it raises on any, every rank raises (one exchange of
+    what each rank saw, on the control group: for calls between steps, not for the hot path). A rank
+    whose `action` succeeded runs `undo` first, if given."""
+    own: Exception | None = None
+    result: Any = None
+    try:
+        result = action()
+    except Exception as error:  # noqa: BLE001 - every rank raises it, below
+        own = error
+    everyone = comm.all_gather_objects(describe(own))
+    if own is not None:
+        raise own
+    for rank, found in enumerate(everyone):
+        if found is not None:
+            if undo is not None:
+                undo()
+            module, qualname, text, fields = found
+            raise rebuild(module, qualname, f"rank {rank} failed in {where}: {text}{consequence}", fields)
+    return result
 
 
 def rebuild(module: str, qualname: str, message: str, fields: dict[str, Any] | None = None) -> BaseException:

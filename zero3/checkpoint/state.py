@@ -296,9 +296,9 @@ def save_failure(error: BaseException, directory: Path, rank: int) -> str:
     """What went wrong, in words: the OS's reason where there is one (torch's writer reports a full disk as
     "unexpected pos ..."), with the file or directory."""
     cause = error
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's exception
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each failing rank's exception
     if failures:
-        cause = next(iter(failures.values()))[0]
+        rank, (cause, *_) = next(iter(failures.items()))  # the rank it happened on, not this one
     seen: set[int] = set()
     found: BaseException | None = cause
     while found is not None and id(found) not in seen and not isinstance(found, OSError):

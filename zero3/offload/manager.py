@@ -266,7 +266,7 @@ class StateOffloader:
     # ---- settle: finish what is in flight ------------------------------------
     def settle(self) -> None:
         """Wait for background writes, reads and file removals; report a failed background write once."""
-        failures: list[str] = []
+        failures: list[tuple[str, str]] = []
         failed_writes: list[Transfer] = []
         for state, entries in list(self._parked.items()):
             for entry in entries:
@@ -278,7 +278,7 @@ class StateOffloader:
                     entry.buffer.wait()
             if any(entry.failed for entry in entries):
                 del self._parked[state]  # the write failed: the state never left memory
-                failures.append(f"{state.value}: {entries[0].failed[0]}")
+                failures.append((state.value, str(entries[0].failed[0])))
         if self._scratch_freed and any(w is self._scratch_freed_with for w in failed_writes):
             self._scratch.allocate_scratch()  # the failed call is undone whole
             self._scratch_freed = False
@@ -287,16 +287,29 @@ class StateOffloader:
             self._finish_loading(state)
         self.disk.finish_removals()
         if failures:
+            # One call's writes share one outcome: each distinct error once, with the states it kept.
+            by_error: dict[str, list[str]] = {}
+            for state_name, error in failures:
+                by_error.setdefault(error, []).append(state_name)
             raise OffloadIOError(
                 "writing states to disk failed, so they stayed in memory, intact (nothing was lost): "
-                + "; ".join(failures)
+                + "; ".join(f"{', '.join(names)}: {error}" for error, names in by_error.items())
             )
 
     # ---- reload ---------------------------------------------------------------
-    def reload(self, non_blocking: bool) -> None:
+    def mark(self) -> tuple[set[OffloadStateType], bool]:
+        """What is offloaded now, for `undo`."""
+        return set(self._parked), self._scratch_freed
+
+    def undo(self, mark: tuple[set[OffloadStateType], bool]) -> None:
+        """Bring back what was offloaded since `mark` (another rank's offload failed: none keeps it)."""
+        parked, scratch_freed = mark
+        self.reload(False, only=set(self._parked) - parked, scratch=not scratch_freed)
+
+    def reload(self, non_blocking: bool, only: set[OffloadStateType] | None = None, scratch: bool = True) -> None:
         self.settle()
         started = time.perf_counter()
-        states = list(self._parked)
+        states = [state for state in self._parked if only is None or state in only]
         nbytes = sum(entry.buffer.nbytes for entries in self._parked.values() for entry in entries)
         errors: list[OffloadIOError] = []
         for state in states:
@@ -314,7 +327,7 @@ class StateOffloader:
             except OffloadIOError as error:
                 errors.append(error)
                 self._repark(state)
-        recreated = self._scratch_freed
+        recreated = self._scratch_freed and scratch
         if recreated:
             self._scratch.allocate_scratch()
             self._scratch_freed = False

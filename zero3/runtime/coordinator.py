@@ -265,6 +265,17 @@ class ParamCoordinator:
             if self.forward_walk.lockstep and any(row[0] for row in extras):
                 raise_peer_failure(self.comm, "forward", failure)
 
+    def join_forward_as_failed(self, failure: BaseException) -> None:
+        """This rank failed before its forward while the others are in theirs: walk an empty forward pass
+        with them (it gathers what they need) and end it with this rank's flag set, so every other rank
+        raises `failure` (see the engine's Note on failures between its calls)."""
+        walk = self.forward_walk
+        if not walk.lockstep or self._walk is not None:
+            return
+        walk.begin()
+        walk.end([1])
+        raise_peer_failure(self.comm, "forward", failure)
+
     def _exit_saved_hooks(self) -> None:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)

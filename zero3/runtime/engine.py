@@ -21,6 +21,7 @@ from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
 from zero3.partition.mesh import ShardMesh
 from zero3.partition.unit import GatherUnit
+from zero3.rank_failure import agreed
 from zero3.runtime.build import build
 from zero3.runtime.engine_checkpoints import CheckpointMethods
 from zero3.runtime.engine_offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
@@ -58,7 +59,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         self.world_size = mesh.world_size
         self.batch = config.resolve_batch(mesh.world_size)
         self.compute_dtype = config.compute_dtype
-        check_tiers(config, device)
+        # Paths are each rank's own filesystem: a check that fails on one rank fails on every rank.
+        agreed(comm, "initialize", lambda: check_tiers(config, device))
         if lr_scheduler is not None and (
             not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
         ):
@@ -106,6 +108,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self.saves = AsyncSaves(self.host_pool)
         self._destroyed = False
+        # The collective the other ranks are in next if this rank fails now (see the Note on failures).
+        self._next_collective: str | None = "forward"
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -117,6 +121,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
+        self._next_collective = None
         self._check_consistent("forward")
         self._require_resident("forward", FORWARD_NEEDS)
         self.parts.repair_lp("forward")
@@ -129,7 +134,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
 
             args, kwargs = tree_map(cast, (args, kwargs))
         with self.timers.phase("forward"):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        self._next_collective = "backward" if torch.is_grad_enabled() and self.optimizer is not None else "forward"
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale).
@@ -145,6 +152,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         if self.optimizer is None:
             raise RuntimeError(f"engine.backward {NO_OPTIMIZER}")
         self._require_resident("backward", BACKWARD_NEEDS)
+        self._next_collective = None
         factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self.timers.phase("backward"):
@@ -156,6 +164,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
                 self.parts.backward.finish(failure)
                 raise
             self.parts.backward.finish()
+        self._next_collective = "step" if self.is_gradient_accumulation_boundary() else "forward"
         return loss
 
     def zero_grad(self) -> None:
@@ -163,20 +172,47 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
 
         After an exception escaped forward or backward, this also ends any pass
         left open and releases what it held, so the next step starts clean.
-        Call it on every rank.
+        Called in an `except` clause on a rank that failed alone between the
+        engine's calls (its data, its loss), it makes that rank's part of the
+        call the other ranks are in, so they raise its exception too (see the
+        Note below). Call it on every rank.
         """
         self._check_alive()
+        handled = sys.exc_info()[1]  # called in an `except` clause: the exception being handled
         if self.parts.backward.open:
-            # A backward still open here was ended by an exception (a plain loss.backward() that raised:
-            # the one being handled) or abandoned; either way the other ranks raise it at their next
-            # engine.step(), rather than step alone.
-            failure = sys.exc_info()[1] or RuntimeError(
+            # A backward still open here was ended by an exception (a plain loss.backward() that raised)
+            # or abandoned; either way the other ranks raise it at their next engine.step(), rather than
+            # step alone.
+            self.parts.backward.finish(handled or RuntimeError(
                 "engine.zero_grad() dropped a backward pass that engine.step() had not ended"
-            )
-            self.parts.backward.finish(failure)
+            ))
+        elif handled is not None and self._next_collective is not None:
+            self._join_as_failed(handled)
+        self._next_collective = "forward"
         self.coordinator.reset()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
+
+    # [Note: a failure between the engine's calls]
+    # A rank can also fail outside the engine: in its data (a bad sample on
+    # one rank, before the forward), in the user's code between forward and
+    # backward (a check on the loss) or between backward and step, while the
+    # other ranks go on into the next forward's gathers, the backward's, or
+    # the step's agreement. `_next_collective` records which one this rank
+    # owes (set when a call returned, cleared when the next one begins);
+    # `zero_grad`, called in the `except` clause, then makes this rank's part
+    # of it as a rank that failed (an empty pass, or the step's flags), so
+    # the others raise the exception too. A rank whose call failed with the
+    # others (every rank raised) owes nothing: that call began and did not
+    # return.
+    def _join_as_failed(self, failure: BaseException) -> None:
+        if self._next_collective == "forward":
+            self.coordinator.join_forward_as_failed(failure)
+        elif self._next_collective == "backward":
+            self.parts.backward.begin()
+            self.parts.backward.finish(failure)
+        elif self._next_collective == "step" and self.optimizer is not None:
+            self.optimizer.join_as_failed(failure)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
@@ -187,12 +223,14 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         if self.optimizer is None:
             raise RuntimeError(f"engine.step {NO_OPTIMIZER}")
         self._check_consistent("step")
+        self._next_collective = None
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)
         self.parts.backward.finish()  # a plain loss.backward() left its pass open
         if not boundary:
             self.micro_steps += 1
+            self._next_collective = "forward"
             return
         with self.timers.phase("step"):
             self.coordinator.release_all()
@@ -208,6 +246,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         # Counted once the step has landed: a step that raised (a failing disk) can be retried.
         self.micro_steps += 1
         self.global_steps += 1
+        self._next_collective = "forward"
         printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
         if printing and self.global_steps % self.config.steps_per_print == 0:
             self._print_progress()

@@ -18,6 +18,7 @@ from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, p
 from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import StateOffloadedError
+from zero3.rank_failure import agreed
 from zero3.runtime.build import EngineParts
 
 # The states each training call reads or writes (a call refuses to run while one is offloaded).
@@ -49,25 +50,35 @@ class OffloadMethods:
         disk tier writes under `nvme_path` (default: the config's
         zero_optimization.offload_param.nvme_path). Offloading a state that is
         already offloaded does nothing. Every argument is checked, and disk
-        space reserved, before anything moves. Call on every rank between
-        training steps (it has no collective).
+        space reserved, before anything moves. Collective: call on every rank
+        between training steps. If it fails on any rank (its disk), every rank
+        raises and none keeps what this call offloaded.
         """
         self._check_alive()
         states = parse_states(include)
         target = parse_offload_device(device)
-        root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
         self.parts.check_between_steps("offload_states")
-        self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
+        mark = self.offloader.mark()
+
+        def offload() -> None:
+            root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
+            self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
+
+        agreed(self.comm, "offload_states", offload, " (no rank keeps this call's states offloaded)",
+               undo=lambda: self.offloader.undo(mark))
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back every offloaded state, bit-exact; recreate a freed scratch bucket.
 
         With `non_blocking=True` the copies finish in the background and any
-        later use of a state waits for its copy.
+        later use of a state waits for its copy. Collective: if a read fails on
+        any rank, every rank raises; what failed stays offloaded, and a second
+        call on every rank tries it again.
         """
         self._check_alive()
         self.parts.check_between_steps("reload_states")
-        self.offloader.reload(bool(non_blocking))
+        agreed(self.comm, "reload_states", lambda: self.offloader.reload(bool(non_blocking)),
+               " (what failed stays offloaded, intact: call engine.reload_states() again on every rank)")
 
     def state_devices(self, state: OffloadStateType | str) -> set[torch.device]:
         """The devices whose memory holds `state` (see zero3.get_state_devices)."""

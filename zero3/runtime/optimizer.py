@@ -480,6 +480,12 @@ class ZeroOptimizer:
         self.zero_grad()
         return True, norm
 
+    def join_as_failed(self, failure: BaseException) -> None:
+        """This rank failed before its step while the others are in theirs: make this rank's part of
+        the step's first agreement as a rank that failed, so every other rank raises `failure`."""
+        self.agree_on_gradients(failed=True)
+        peer_failure(self.comm, "step", failure)
+
     def _abandon(self, before: list[tuple[nn.Parameter, dict[str, Any] | None]], put_back: Callable[[], None],
                  streamed: bool) -> None:
         """After a walk that failed on some rank: what the step changed here, put back where it can be."""

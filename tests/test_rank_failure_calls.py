@@ -1,0 +1,190 @@
+"""One rank's failure between steps is every rank's: initialize's checks, offload_states, reload_states,
+load_checkpoint, and a plain `loss.backward()` that raises on one rank. The fault is injected on one rank
+only; every rank must raise the same exception type naming the failing rank, no rank may hang (each
+spawn has a deadline), and nothing may be half-applied: after the failure, training goes on exactly as
+in a run that never saw it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+from zero3.checkpoint import state as checkpoint_state
+from zero3.offload import disk as disk_io
+
+FAILING_RANK = 1
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+def engine_and_model(config: dict = CONFIG) -> tuple[zero3.ZeroEngine, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = models.MLP()
+    return zero3.initialize(model=model, config=config)[0], model
+
+
+def train(engine: zero3.ZeroEngine, rank: int, world: int, steps: int, seed: int = 0) -> None:
+    for x, y in models.batches("x8", steps, 2 * world, seed=seed):
+        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.step()
+
+
+def masters(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+
+
+def caught(action: Callable[[], Any]) -> tuple[str, str] | None:
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - what each rank saw is the result
+        return type(error).__name__, str(error)
+    return None
+
+
+def on_failing_rank(rank: int, module: Any, name: str, replacement: Any) -> Callable[[], None]:
+    """Patch module.name on the failing rank only; returns the undo."""
+    original = getattr(module, name)
+    if rank == FAILING_RANK:
+        setattr(module, name, replacement)
+    return lambda: setattr(module, name, original)
+
+
+def scenario(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    # initialize: the tier directory exists on every rank but the failing one (its own disk).
+    tier_dir = os.path.join(root, f"tier-rank{rank}") if rank == FAILING_RANK else os.path.join(root, "tier")
+    os.makedirs(os.path.join(root, "tier"), exist_ok=True)
+    nvme = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"],
+                                            "offload_optimizer": {"device": "nvme", "nvme_path": tier_dir}}}
+    out["init"] = caught(lambda: zero3.initialize(model=models.MLP(), config=nvme))
+
+    engine, model = engine_and_model()
+    train(engine, rank, world, 2)
+    engine.save_checkpoint(os.path.join(root, "ckpt"), tag="two")
+    reference = masters(model)
+
+    # offload_states: the failing rank's writes fail; no rank keeps the states offloaded.
+    undo = on_failing_rank(rank, disk_io, "_pwrite_all",
+                           lambda fd, data, offset, path, write=disk_io._pwrite_all: write(-1, data, offset, path))
+    park = os.path.join(root, "park")
+    os.makedirs(park, exist_ok=True)
+    out["offload"] = caught(lambda: engine.offload_states(device="nvme", nvme_path=park))
+    undo()
+    out["offloaded_after_failure"] = [state.value for state in engine.offloader.offloaded()]
+
+    # reload_states: the failing rank's reads fail; what failed stays parked there, and a second call works.
+    engine.offload_states(device="nvme", nvme_path=park)
+    undo = on_failing_rank(rank, disk_io, "_pread_all",
+                           lambda fd, into, offset, path, read=disk_io._pread_all: read(-1, into, offset, path))
+    out["reload"] = caught(lambda: engine.reload_states())
+    undo()
+    out["reload_again"] = caught(lambda: engine.reload_states())
+    out["masters_after_offloads"] = masters(model)
+
+    # load_checkpoint: the failing rank cannot read the engine file; nothing is loaded anywhere.
+    train(engine, rank, world, 1, seed=1)
+    before_load = masters(model)
+
+    def unreadable(path: Path, weights_only: bool) -> dict:
+        raise PermissionError(13, "Permission denied", str(path / "zero3_engine.pt"))
+
+    undo = on_failing_rank(rank, checkpoint_state, "read_engine_state", unreadable)
+    out["load"] = caught(lambda: engine.load_checkpoint(os.path.join(root, "ckpt"), tag="two"))
+    undo()
+    out["unchanged_by_failed_load"] = all(torch.equal(a, b) for a, b in zip(masters(model), before_load))
+    engine.load_checkpoint(os.path.join(root, "ckpt"), tag="two")
+    out["loaded"] = all(torch.equal(a, b) for a, b in zip(masters(model), reference))
+
+    # A plain loss.backward() that raises on one rank: the others raise at engine.step().
+    def out_of_memory(module: torch.nn.Module, grad_output: Any) -> None:
+        if rank == FAILING_RANK:
+            raise torch.OutOfMemoryError("injected")
+
+    handle = model.fc2.register_full_backward_pre_hook(out_of_memory)  # before the forward that sets it up
+    x, y = models.batches("x8", 1, 2 * world, seed=2)[0]
+    loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["plain_backward"] = None
+    try:
+        loss.backward()
+        engine.step()  # the other ranks raise here: their backward ended without them knowing
+    except Exception as error:  # noqa: BLE001 - the README's pattern: zero_grad inside the except clause
+        out["plain_backward"] = (type(error).__name__, str(error))
+        engine.zero_grad()  # tells the others what ended this rank's backward
+    handle.remove()
+    out["after_plain_backward"] = all(torch.equal(a, b) for a, b in zip(masters(model), reference))
+    # The failing rank's own code raises between the engine's calls: in its data, between forward and
+    # backward, between backward and step. The others are in the next call by then, and raise there.
+    for where in ("data", "loss", "gradients"):
+        x, y = models.batches("x8", 1, 2 * world, seed=4)[0]
+        failing = rank == FAILING_RANK
+        try:
+            if failing and where == "data":
+                raise ValueError("bad token in this rank's batch")
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            if failing and where == "loss":
+                raise FloatingPointError("the loss is not finite")
+            engine.backward(loss)
+            if failing and where == "gradients":
+                raise RuntimeError("a gradient hook of the user failed")
+            engine.step()
+            out[f"between {where}"] = None
+        except Exception as error:  # noqa: BLE001 - the README's pattern
+            out[f"between {where}"] = (type(error).__name__, str(error))
+            engine.zero_grad()
+        out[f"between {where} unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), reference))
+    train(engine, rank, world, 1, seed=3)
+    out["trained_on"] = masters(model)
+    engine.destroy()
+
+    # The reference for what training on looks like: the checkpoint, then the same last step.
+    engine, model = engine_and_model()
+    engine.load_checkpoint(os.path.join(root, "ckpt"), tag="two")
+    train(engine, rank, world, 1, seed=3)
+    out["reference_trained_on"] = masters(model)
+    out["reference"] = reference
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_failures_between_steps_on_one_rank_are_every_ranks(tmp_path: Path, world: int) -> None:
+    results = run_ranks(world, scenario, str(tmp_path))
+
+    def check(key: str, kind: str, where: str, also: str = "") -> None:
+        for rank, out in enumerate(results):
+            seen = out[key]
+            assert seen is not None and seen[0] == kind, (key, rank, seen)
+            if rank != FAILING_RANK:
+                assert seen[1].startswith(f"rank {FAILING_RANK} failed in {where}: {kind}: "), (key, seen)
+                assert also in seen[1], (key, seen)
+
+    check("init", "TierConfigError", "initialize", "does not exist")
+    check("offload", "OffloadIOError", "offload_states", "no rank keeps this call's states offloaded")
+    check("reload", "OffloadIOError", "reload_states", "call engine.reload_states() again")
+    check("load", "PermissionError", "load_checkpoint")
+    check("plain_backward", "OutOfMemoryError", "backward")
+    check("between data", "ValueError", "forward", "bad token")
+    check("between loss", "FloatingPointError", "backward", "not finite")
+    check("between gradients", "RuntimeError", "step", "gradient hook")
+    for rank, out in enumerate(results):
+        assert out["offloaded_after_failure"] == [], (rank, out["offloaded_after_failure"])
+        assert out["reload_again"] is None, out["reload_again"]
+        assert all(torch.equal(a, b) for a, b in zip(out["masters_after_offloads"], out["reference"]))
+        assert out["unchanged_by_failed_load"] and out["loaded"]
+        assert out["after_plain_backward"]
+        for where in ("data", "loss", "gradients"):
+            assert out[f"between {where} unchanged"], (rank, where)
+        assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"]))
