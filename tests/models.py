@@ -316,3 +316,15 @@ def mean_losses(engine, rank: int, world: int, batches: list) -> list[float]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
+
+
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """A partitioned parameter's whole value in fp32 (collective): its master, or for a frozen parameter
+    (no master: DeepSpeed's safe_get_full_fp32_param answers None) its gathered 16-bit value."""
+    import zero3
+
+    full = zero3.safe_get_full_fp32_param(param)
+    if full is not None:
+        return full
+    with zero3.GatheredParameters([param]):
+        return param.detach().float().clone()

@@ -66,7 +66,7 @@ def stream(engine: zero3.ZeroEngine, **kwargs: Any) -> dict[str, torch.Tensor]:
 
 def gathered_masters(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
     """The engine's own whole weights: each fp32 master gathered, cast to the compute dtype."""
-    return {name: zero3.safe_get_full_fp32_param(p).to(engine.compute_dtype)
+    return {name: models.full_value(p).to(engine.compute_dtype)
             for name, p in engine.module.named_parameters()}
 
 

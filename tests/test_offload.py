@@ -343,13 +343,16 @@ def misuse(rank: int, world: int, root: str) -> dict:
         counters = (engine.micro_steps, engine.global_steps)
         x, y = (t.chunk(world)[rank] for t in data[3])
         errors = {}
+        shard = zero3.safe_get_local_lp_param(model.fc1.weight).clone()
         engine.offload_states(include=["lp_params"], device="nvme", nvme_path=root)
         with pytest.raises(zero3.StateOffloadedError) as error:
             engine(x, y)
         errors["forward"] = str(error.value)
+        # DeepSpeed's getters read a parked state from its file (a copy); its setters refuse it.
+        errors["getter_reads"] = torch.equal(zero3.safe_get_local_lp_param(model.fc1.weight), shard)
         with pytest.raises(zero3.StateOffloadedError) as error:
-            zero3.safe_get_local_lp_param(model.fc1.weight)
-        errors["getter"] = str(error.value)
+            zero3.safe_set_local_fp32_param(model.fc1.weight, shard.float())
+        errors["setter"] = str(error.value)
         engine.reload_states()
         loss = engine(x, y)  # the graph exists before the gradient buffers go
         engine.offload_states(include=["lp_grads", "contiguous_grad_buffer"], device="nvme", nvme_path=root)
@@ -508,7 +511,7 @@ def test_forward_backward_step_refuse_to_run_on_offloaded_states(misuse_results:
         assert r["unchanged"] and r["counters"]
         errors = r["errors"]
         assert "forward" in errors["forward"] and "lp_params" in errors["forward"]
-        assert "reload_states" in errors["getter"]
+        assert errors["getter_reads"] and "reload_states" in errors["setter"]
         assert "lp_grads" in errors["backward"] and "contiguous_grad_buffer" in errors["backward"]
         assert "hp_params" in errors["step"] and "optim_states" in errors["step"]
 

@@ -80,7 +80,7 @@ def train_and_compare(
         reference, data, LR, WD, CLIP, gas=gas * world, groups=param_groups(reference, grouped))
     max_param_diff = 0.0
     for (pname, p), (_, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
-        full = zero3.safe_get_full_fp32_param(p)
+        full = models.full_value(p)
         max_param_diff = max(max_param_diff, (full - ref_p.detach()).abs().max().item())
     statuses = {zero3.param_status(p) for p in model.parameters()}
     engine.destroy()

@@ -36,6 +36,11 @@ def ds_attributes(rank: int, world: int) -> dict:
         "status_released": {p.ds_status for p in params},
     }
     engine, *_ = zero3.initialize(model=model, config=CONFIG)
+    out["ds_tensor"] = all(torch.equal(p.ds_tensor, zero3.safe_get_local_lp_param(p)) for p in params)
+    lp_storages = {buffer.tensor.untyped_storage().data_ptr() for buffer in engine.lp_buffers}
+    out["ds_tensor_is_the_shard"] = all(p.ds_tensor.untyped_storage().data_ptr() in lp_storages for p in params)
+    out["ds_tensor_numel"] = [p.ds_tensor.numel() for p in params] == [-(-p.ds_numel // world) for p in params]
+    out["ds_persist"] = {p.ds_persist for p in params}
     weight = model.blocks[0].qkv.weight
     with zero3.GatheredParameters([weight]):
         out["status_gathered"] = weight.ds_status
@@ -54,6 +59,8 @@ def test_parameters_carry_deepspeeds_read_only_attributes() -> None:
         assert result["status_gathered"] is zero3.ZeroParamStatus.AVAILABLE and result["agrees_with_param_status"]
         assert result["status_after"] is zero3.ZeroParamStatus.NOT_AVAILABLE
         assert result["class_after_destroy"]
+        assert result["ds_tensor"] and result["ds_tensor_is_the_shard"] and result["ds_tensor_numel"]
+        assert result["ds_persist"] == {False}  # stage3_param_persistence_threshold: 0
 
 
 def training_data(rank: int, world: int) -> dict:
@@ -92,3 +99,57 @@ def test_enable_sanity_checks_is_accepted_and_said_to_have_no_effect(caplog: pyt
     assert "has no effect in zero3" in message
     with caplog.at_level(logging.WARNING):
         assert not zero3.load_config({"zero_optimization": {"enable_sanity_checks": False}}).ignored_settings()
+
+
+class ReturnsAWeight(models.MLP):
+    """Returns fc3's weight beside the loss: zero3 keeps it gathered until the next pass."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(x, y), self.fc3.weight
+
+
+def getters(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = ReturnsAWeight()
+    engine = zero3.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})[0]
+    out = {
+        "sizes": (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                  engine.train_batch_size()),
+        "precision": (engine.bfloat16_enabled(), engine.fp16_enabled()),
+        "zero": (engine.zero_optimization(), engine.zero_optimization_stage()),
+    }
+    applied = []
+    for step, (x, y) in enumerate(models.batches("x8", 6, 2 * world)):
+        loss, _ = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        if step == 3:
+            loss = loss * float("inf")  # a non-finite gradient: the step is skipped
+        engine.backward(loss)
+        engine.step()
+        if step % 2 == 1:
+            applied.append(engine.was_step_applied())
+    out["applied"] = applied
+    out["samples"] = (engine.global_steps, engine.global_samples)
+    out["lr"] = engine.get_lr()
+    # Something gathered between steps: what a forward returned is held until the next pass.
+    with torch.no_grad():
+        engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    out["live_before_empty"] = engine.coordinator.live_numel()
+    engine.empty_partition_cache()
+    out["gathered_after_empty"] = [unit.label for unit in engine.units if unit.state.name != "SHARDED"]
+    out["live_after_empty"] = engine.coordinator.live_numel()
+    engine.destroy()
+    return out
+
+
+def test_deepspeeds_engine_getters_answer_as_deepspeed_does() -> None:
+    for out in run_ranks(2, getters):
+        assert out["sizes"] == (2, 2, 8)
+        assert out["precision"] == (True, False) and out["zero"] == (True, 3)
+        assert out["applied"] == [True, False, True], out["applied"]  # the second step's gradients were inf
+        assert out["samples"] == (3, 24)
+        assert out["lr"] == [1e-2]
+        assert out["live_before_empty"] == 8 * 64 + 8  # fc3 (weight and bias: one unit), its weight returned
+        assert out["gathered_after_empty"] == [] and out["live_after_empty"] == 0

@@ -3,10 +3,19 @@
 from zero3.accessors import (
     param_status,
     safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
     safe_get_local_fp32_param,
     safe_get_local_grad,
     safe_get_local_lp_param,
     safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 from zero3.checkpoint import CheckpointError
 from zero3.config import ConfigError, Zero3Config, load_config
@@ -47,8 +56,17 @@ __all__ = [
     "load_config",
     "param_status",
     "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
     "safe_get_local_fp32_param",
     "safe_get_local_grad",
     "safe_get_local_lp_param",
     "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]

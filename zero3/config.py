@@ -10,16 +10,20 @@ every pydantic error into one readable ``ConfigError``.
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import json
+import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import (
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,6 +34,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+log = logging.getLogger("zero3")
 
 __all__ = [
     "BatchSizes",
@@ -451,19 +457,64 @@ class AioConfig(_Model):
         return block_size
 
 
+def _to_device_cpu(key: str) -> Any:
+    def translate(value: Any, data: dict[str, Any]) -> tuple[str | None, Any]:
+        if value is True and data.get(key) is None:
+            return key, {"device": "cpu"}
+        return None, value  # false, or the new key given as well: it stands
+
+    return translate
+
+
+# DeepSpeed's deprecated ZeRO keys: (the key that replaces it, how a value translates).
+_DEPRECATED_ZERO_KEYS: dict[str, tuple[str, Any]] = {
+    "cpu_offload": ("offload_optimizer", _to_device_cpu("offload_optimizer")),
+    "cpu_offload_param": ("offload_param", _to_device_cpu("offload_param")),
+    "cpu_offload_use_pin_memory": ("offload_param.pin_memory or offload_optimizer.pin_memory",
+                                   lambda value, data: (None, value)),  # DeepSpeed only warns
+    "stage3_gather_fp16_weights_on_model_save": (
+        "stage3_gather_16bit_weights_on_model_save",
+        lambda value, data: ("stage3_gather_16bit_weights_on_model_save", value),
+    ),
+}
+
+
+def _both_names(name: str) -> Any:
+    """DeepSpeed's ZeRO keys come with and without their `stage3_` prefix (its `populate_by_name`)."""
+    return AliasChoices(name, name.removeprefix("stage3_"))
+
+
 class ZeroConfig(_Model):
+    """Every key of DeepSpeed's `DeepSpeedZeroConfig`, under both its names; what each does in zero3
+    is DEEPSPEED_KEYS' row for it (implemented, translated, or accepted with no effect)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False, populate_by_name=True)
+
     stage: int = 3
-    stage3_param_persistence_threshold: _Size = Field(default=100_000, ge=0)
-    stage3_prefetch_bucket_size: _Size = Field(default=50_000_000, ge=0)
-    stage3_max_live_parameters: _Size = Field(default=1_000_000_000, gt=0)
-    # Accepted for DeepSpeed compatibility.
-    stage3_max_reuse_distance: _Size = Field(default=1_000_000_000, ge=0)
+    stage3_param_persistence_threshold: _Size = Field(
+        default=100_000, ge=0, validation_alias=_both_names("stage3_param_persistence_threshold"))
+    stage3_model_persistence_threshold: _Size = Field(
+        default=sys.maxsize, ge=0, validation_alias=_both_names("stage3_model_persistence_threshold"))
+    stage3_prefetch_bucket_size: _Size = Field(
+        default=50_000_000, ge=0, validation_alias=_both_names("stage3_prefetch_bucket_size"))
+    stage3_max_live_parameters: _Size = Field(
+        default=1_000_000_000, gt=0, validation_alias=_both_names("stage3_max_live_parameters"))
+    stage3_max_reuse_distance: _Size = Field(
+        default=1_000_000_000, ge=0, validation_alias=_both_names("stage3_max_reuse_distance"))
+    stage3_module_granularity_threshold: _Size = Field(
+        default=0, ge=0, validation_alias=_both_names("stage3_module_granularity_threshold"))
+    stage3_use_all_reduce_for_fetch_params: bool = Field(
+        default=False, validation_alias=_both_names("stage3_use_all_reduce_for_fetch_params"))
+    stage3_allgather_sequential: bool = Field(
+        default=False, validation_alias=_both_names("stage3_allgather_sequential"))
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        default=False, validation_alias=_both_names("stage3_gather_16bit_weights_on_model_save"))
     reduce_bucket_size: _Size = Field(default=500_000_000, gt=0)
+    reduce_scatter: bool = True
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     sub_group_size: _Size = Field(default=1_000_000_000, gt=0)
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    # Accepted for DeepSpeed compatibility (its debugging checks of parameter status).
+    ignore_unused_parameters: bool = True
     enable_sanity_checks: bool = False
     offload_param: Annotated[OffloadParamConfig, BeforeValidator(_none_as_empty)] = (
         OffloadParamConfig()
@@ -471,6 +522,54 @@ class ZeroConfig(_Model):
     offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(_none_as_empty)] = (
         OffloadOptimizerConfig()
     )
+    # Accepted with no effect in zero3 (DEEPSPEED_KEYS says why); validated for type.
+    allgather_partitions: bool = True
+    allgather_bucket_size: _Size = Field(default=500_000_000, ge=0)
+    use_multi_rank_bucket_allreduce: bool = True
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    legacy_stage1: bool = False
+    round_robin_gradients: bool = False
+    parameter_alignment: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    compute_grad_norm: bool = True
+    # Not offered (yet): accepted only at the value that leaves them off.
+    zero_hpz_partition_size: int = Field(default=1, ge=0)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zenflow: dict[str, Any] | None = None
+    leaf_module: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, data: Any) -> Any:
+        """DeepSpeed's deprecated keys, translated as DeepSpeed translates them (one warning each); a key
+        given under both its names is refused (one would silently win)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, field in cls.model_fields.items():
+            alias = field.validation_alias
+            if isinstance(alias, AliasChoices):
+                given = [choice for choice in alias.choices if choice in data]
+                if len(given) > 1:
+                    raise _KeyedError(tuple(given), "the same key under both its names; give one",
+                                      tuple(data[key] for key in given))
+        for old, (new, translate) in _DEPRECATED_ZERO_KEYS.items():
+            if old not in data:
+                continue
+            value = data.pop(old)
+            target, translated = translate(value, data)
+            log.warning("config key zero_optimization.%s is deprecated (DeepSpeed's name); read as %s", old,
+                        f"zero_optimization.{new}" if target is None else f"zero_optimization.{target}={translated!r}")
+            if target is not None:
+                data[target] = translated
+        return data
 
     @field_validator("stage")
     @classmethod
@@ -478,6 +577,39 @@ class ZeroConfig(_Model):
         if stage != 3:
             raise ValueError("zero3 implements ZeRO stage 3 only")
         return stage
+
+    @field_validator("reduce_scatter")
+    @classmethod
+    def _always_reduce_scatter(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "zero3 always reduce-scatters gradients (each rank keeps only its shard, which is ZeRO-3); "
+                "an all-reduce of whole gradients (reduce_scatter=false) is not offered: remove the key"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _not_offered(self) -> ZeroConfig:
+        unsupported = {
+            "zero_hpz_partition_size": (self.zero_hpz_partition_size > 1,
+                                        "hpZ (a secondary shard within a node) is not offered yet; use 1"),
+            "zero_quantized_weights": (self.zero_quantized_weights, "quantized weight gathers are not offered yet"),
+            "zero_quantized_nontrainable_weights": (self.zero_quantized_nontrainable_weights,
+                                                    "quantized weights are not offered yet"),
+            "zero_quantized_gradients": (self.zero_quantized_gradients,
+                                         "quantized gradient reductions are not offered yet"),
+            "compute_grad_norm": (not self.compute_grad_norm,
+                                  "DeepSpeed allows compute_grad_norm=false with ZeRO stage 1 or 2 only"),
+            "zenflow": (self.zenflow is not None, "ZenFlow (stale-gradient offload) is not offered"),
+            "leaf_module": (any(self.leaf_module.get(key) for key in ("classes", "names", "name_suffixes"))
+                            if self.leaf_module else False,
+                            "leaf modules are not offered yet (zero3's lockstep gather walk already keeps ranks "
+                            "whose experts differ in step)"),
+        }
+        for key, (refused, why) in unsupported.items():
+            if refused:
+                raise _KeyedError((key,), why, (getattr(self, key),))
+        return self
 
 
 # -------------------------------------------------------------- data types
@@ -503,6 +635,112 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+# Keys whose "no effect" note ignored_settings() words itself (it depends on the value).
+_NOTED_ELSEWHERE = frozenset({
+    "zero_optimization.stage3_max_reuse_distance", "zero_optimization.contiguous_gradients",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.enable_sanity_checks",
+})
+
+# [Note: DeepSpeed's keys in zero3]
+# Every key of DeepSpeed's ZeRO config (`DeepSpeedZeroConfig`, 0.19.8) and the
+# top-level keys ZeRO-3 users write, with what each does here: "implemented"
+# (it does what DeepSpeed's does), "translated" (a deprecated name, read as
+# DeepSpeed reads it, with a warning), "no effect" (validated for type; one
+# info line at initialize says why), or "off only" (a feature zero3 does not
+# offer yet: accepted at the value that leaves it off, a clear error
+# otherwise). A key given under both of its names (`stage3_x` and `x`) is an
+# error. `docs/porting.md` prints this table.
+DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
+    "zero_optimization.stage": ("implemented", "3; other stages are refused"),
+    "zero_optimization.stage3_param_persistence_threshold": (
+        "implemented", "parameters this small stay gathered"),
+    "zero_optimization.stage3_model_persistence_threshold": (
+        "implemented", "caps the elements kept gathered in all"),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "implemented", "elements gathered ahead of use"),
+    "zero_optimization.stage3_max_live_parameters": (
+        "implemented", "elements gathered at once"),
+    "zero_optimization.reduce_bucket_size": ("implemented", "elements per gradient reduce-scatter"),
+    "zero_optimization.overlap_comm": ("implemented", "reductions overlap backward (two bucket slots)"),
+    "zero_optimization.sub_group_size": ("implemented", "elements the optimizer steps at a time"),
+    "zero_optimization.offload_param": ("implemented", "the 16-bit parameters on the host or on disk"),
+    "zero_optimization.offload_optimizer": ("implemented", "the optimizer state on the host or on disk"),
+    "zero_optimization.ignore_unused_parameters": (
+        "implemented", "false: a step where a trained parameter got no gradient on any rank raises"),
+    "zero_optimization.reduce_scatter": (
+        "implemented", "true is how zero3 always reduces gradients; false is refused"),
+    "zero_optimization.cpu_offload": ("translated", "true: offload_optimizer.device = 'cpu'"),
+    "zero_optimization.cpu_offload_param": ("translated", "true: offload_param.device = 'cpu'"),
+    "zero_optimization.cpu_offload_use_pin_memory": (
+        "translated", "a warning only, as in DeepSpeed: set offload_*.pin_memory"),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
+        "translated", "read as stage3_gather_16bit_weights_on_model_save"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "no effect", "save_16bit_model always writes the whole model, gathering one parameter at a time"),
+    "zero_optimization.stage3_max_reuse_distance": (
+        "no effect", "a unit is released once nothing holds it and gathered again ahead of its next use"),
+    "zero_optimization.stage3_module_granularity_threshold": (
+        "no effect", "zero3 gathers per module; coalescing small modules into one unit is not done (yet)"),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": (
+        "no effect", "zero3 fetches parameters with an all-gather, which gives the same values"),
+    "zero_optimization.stage3_allgather_sequential": (
+        "no effect", "zero3 issues gathers in one agreed order (the lockstep walk)"),
+    "zero_optimization.contiguous_gradients": ("no effect", "gradients always reduce into one flat buffer"),
+    "zero_optimization.enable_sanity_checks": (
+        "no effect", "zero3 checks a unit's holds on every release (a release it does not have is an error)"),
+    "zero_optimization.allgather_partitions": ("no effect", "a ZeRO stage 1/2 setting"),
+    "zero_optimization.allgather_bucket_size": ("no effect", "a ZeRO stage 1/2 setting"),
+    "zero_optimization.use_multi_rank_bucket_allreduce": ("no effect", "a ZeRO stage 1/2 setting"),
+    "zero_optimization.legacy_stage1": ("no effect", "a ZeRO stage 1 setting"),
+    "zero_optimization.round_robin_gradients": ("no effect", "a ZeRO stage 1/2 setting"),
+    "zero_optimization.load_from_fp32_weights": (
+        "no effect", "zero3's checkpoints hold the fp32 masters, and a load always reads them"),
+    "zero_optimization.elastic_checkpoint": ("no effect", "zero3's checkpoints load at any world size"),
+    "zero_optimization.parameter_alignment": ("no effect", "shards are padded to whole elements per rank"),
+    "zero_optimization.memory_efficient_linear": (
+        "no effect", "backward re-gathers what nn.Linear saved through saved-tensor hooks, for any module"),
+    "zero_optimization.pipeline_loading_checkpoint": ("no effect", "a pipeline-parallel setting"),
+    "zero_optimization.override_module_apply": (
+        "no effect", "module.apply on a partitioned model: gather under zero3.GatheredParameters"),
+    "zero_optimization.log_trace_cache_warnings": ("no effect", "zero3 logs trace changes at debug level"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (
+        "no effect", "Muon's momentum is a state of zero3's optimizer tier like any other"),
+    "zero_optimization.compute_grad_norm": ("off only", "true; false is a ZeRO stage 1/2 setting"),
+    "zero_optimization.zero_hpz_partition_size": ("off only", "1; hpZ is not offered yet"),
+    "zero_optimization.zero_quantized_weights": ("off only", "false; not offered yet"),
+    "zero_optimization.zero_quantized_nontrainable_weights": ("off only", "false; not offered yet"),
+    "zero_optimization.zero_quantized_gradients": ("off only", "false; not offered yet"),
+    "zero_optimization.zenflow": ("off only", "absent; ZenFlow is not offered"),
+    "zero_optimization.leaf_module": (
+        "off only", "no classes, names or suffixes; leaf modules are not offered yet (the lockstep walk keeps "
+        "ranks that run different experts in step)"),
+    "zero_allow_untested_optimizer": ("no effect", "zero3 steps any elementwise torch optimizer"),
+    "zero_force_ds_cpu_optimizer": ("no effect", "the host step is torch's fused kernel, not DeepSpeed's"),
+    "activation_checkpointing": (
+        "no effect", "use torch.utils.checkpoint in the model; zero3 re-gathers what it reruns"),
+    "checkpoint": ("no effect", "zero3's checkpoints are DCP, sharded, at any world size"),
+    "comms_logger": ("no effect", "DeepSpeed's communication logger"),
+    "flops_profiler": ("no effect", "DeepSpeed's profiler; use torch.profiler"),
+    "tensorboard": ("no effect", "DeepSpeed's monitor; log from the training loop"),
+    "wandb": ("no effect", "DeepSpeed's monitor; log from the training loop"),
+    "csv_monitor": ("no effect", "DeepSpeed's monitor; log from the training loop"),
+    "memory_breakdown": ("no effect", "engine.state_report() and engine.model_state_bytes() say it"),
+    "dump_state": ("no effect", "print(engine.state_report())"),
+    "amp": ("off only", "enabled false; use bf16 or fp16 (NVIDIA apex AMP is not offered)"),
+}
+
+
+def deepspeed_keys_table() -> str:
+    """DEEPSPEED_KEYS as the Markdown table docs/porting.md holds."""
+    rows = ["| key | fate | in zero3 |", "| --- | --- | --- |"]
+    for path, (fate, why) in DEEPSPEED_KEYS.items():
+        *_, name = path.split(".")
+        short = name.removeprefix("stage3_")
+        also = f" (also `{short}`)" if short != name and name not in _DEPRECATED_ZERO_KEYS else ""
+        rows.append(f"| `{path}`{also} | {fate} | {why} |")
+    return "\n".join(rows) + "\n"
+
+
 class Zero3Config(_Model):
     train_batch_size: int | None = Field(default=None, gt=0)
     train_micro_batch_size_per_gpu: int | None = Field(default=None, gt=0)
@@ -525,6 +763,26 @@ class Zero3Config(_Model):
     # The DataLoader initialize(training_data=...) returns drops a last, short batch (DeepSpeed's key).
     dataloader_drop_last: bool = False
     wall_clock_breakdown: bool = False
+    # DeepSpeed's top-level keys that ZeRO-3 users write: no effect here (DEEPSPEED_KEYS).
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    memory_breakdown: bool = False
+    dump_state: bool = False
+    activation_checkpointing: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
+    comms_logger: dict[str, Any] | None = None
+    flops_profiler: dict[str, Any] | None = None
+    tensorboard: dict[str, Any] | None = None
+    wandb: dict[str, Any] | None = None
+    csv_monitor: dict[str, Any] | None = None
+    amp: dict[str, Any] | None = None
+
+    @field_validator("amp")
+    @classmethod
+    def _no_apex_amp(cls, amp: dict[str, Any] | None) -> dict[str, Any] | None:
+        if amp is not None and amp.get("enabled", False) is not False:
+            raise ValueError("NVIDIA apex AMP is not offered: use bf16 or fp16 (amp.enabled must be false)")
+        return amp
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> Zero3Config:
@@ -551,6 +809,20 @@ class Zero3Config(_Model):
     def communication_dtype(self) -> torch.dtype:
         name = self.communication_data_type
         return _DTYPES[name] if name is not None else self.compute_dtype
+
+    def inert_settings(self) -> list[str]:
+        """One line per DeepSpeed key the user set that does nothing in zero3, and why (DEEPSPEED_KEYS)."""
+        lines = []
+        for path, (fate, why) in DEEPSPEED_KEYS.items():
+            if fate != "no effect" or path in _NOTED_ELSEWHERE:
+                continue
+            owner: BaseModel = self
+            *parents, name = path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            if name in owner.model_fields_set:
+                lines.append(f"config key {path}={_show(getattr(owner, name))} has no effect in zero3: {why}")
+        return lines
 
     def ignored_settings(self) -> list[str]:
         """One message per key the user set that zero3 accepts (for DeepSpeed configs) but does not act on."""
@@ -730,12 +1002,37 @@ def _format_errors(error: ValidationError, data: Any) -> str:
         if kind == "missing":
             lines.append(f"{key}: required key is missing")
         elif kind == "extra_forbidden":
-            lines.append(f"{key}: unknown key (got {_show(err['input'])})")
+            close = difflib.get_close_matches(parts[-1] if parts else key, _known_keys(), n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{key}: unknown key (got {_show(err['input'])}){hint}")
         else:
             lines.append(f"{key}: {message} (got {_show(err['input'])})")
     count = len(lines)
     header = f"invalid zero3 config ({count} error{'s' if count != 1 else ''}):"
     return "\n".join([header, *("  " + line for line in lines)])
+
+
+def _known_keys() -> list[str]:
+    """Every key name some config model accepts (its field names and aliases), for "did you mean"."""
+    names: set[str] = set(_DEPRECATED_ZERO_KEYS)
+    models: list[type[BaseModel]] = [_Model]
+    while models:
+        model = models.pop()
+        models.extend(model.__subclasses__())
+        for name, field in model.model_fields.items():
+            names.add(name)
+            if isinstance(field.validation_alias, AliasChoices):
+                names.update(choice for choice in field.validation_alias.choices if isinstance(choice, str))
+    return sorted(names)
+
+
+def _auto_values(data: Any, path: str = "") -> list[str]:
+    """The keys holding "auto": the Hugging Face template's placeholders, which its integration fills."""
+    if isinstance(data, dict):
+        return [found for key, value in data.items() for found in _auto_values(value, f"{path}.{key}" if path else key)]
+    if isinstance(data, list):
+        return [found for i, value in enumerate(data) for found in _auto_values(value, f"{path}[{i}]")]
+    return [path] if data == "auto" else []
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike[str] | Zero3Config) -> Zero3Config:
@@ -767,6 +1064,13 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str] | Zero3Config) -
         raise ConfigError(
             "config must be a dict, a path to a JSON file, or a Zero3Config "
             f"(got {type(config).__name__})"
+        )
+    auto = _auto_values(data)
+    if auto:
+        raise ConfigError(
+            f"invalid zero3 config: {', '.join(auto)} {'is' if len(auto) == 1 else 'are'} \"auto\", the Hugging Face "
+            "template's placeholder, which its DeepSpeed integration fills from the Trainer's arguments; it reached "
+            "zero3 unfilled: write the value itself"
         )
     try:
         return Zero3Config.model_validate(data)

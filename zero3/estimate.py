@@ -79,6 +79,8 @@ class EstimateSettings:
     offload_param: str = "none"  # zero_optimization.offload_param.device
     reduce_bucket_size: int = _ZERO_DEFAULTS.reduce_bucket_size
     persistence_threshold: int = _ZERO_DEFAULTS.stage3_param_persistence_threshold
+    # stage3_model_persistence_threshold: the persistent parameters' elements in all
+    model_persistence_threshold: int = _ZERO_DEFAULTS.stage3_model_persistence_threshold
     overlap_comm: bool = _ZERO_DEFAULTS.overlap_comm
     max_in_cpu: int = _ZERO_DEFAULTS.offload_param.max_in_cpu  # offload_param.max_in_cpu (nvme only)
     grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype (None: the precision)
@@ -97,7 +99,8 @@ class EstimateSettings:
             if value is not None:
                 _choice(name, value, tuple(PRECISIONS))
         for name, least in (
-            ("reduce_bucket_size", 1), ("persistence_threshold", 0), ("max_in_cpu", 0), ("optimizer_states", 0),
+            ("reduce_bucket_size", 1), ("persistence_threshold", 0), ("model_persistence_threshold", 0),
+            ("max_in_cpu", 0), ("optimizer_states", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -113,6 +116,7 @@ class EstimateSettings:
             offload_param=zc.offload_param.device,
             reduce_bucket_size=zc.reduce_bucket_size,
             persistence_threshold=zc.stage3_param_persistence_threshold,
+            model_persistence_threshold=zc.stage3_model_persistence_threshold,
             overlap_comm=zc.overlap_comm,
             max_in_cpu=zc.offload_param.max_in_cpu,
             # Left unset when the config leaves them unset, so they follow a precision chosen later.
@@ -169,7 +173,9 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             id(p): ShardedParam(p, name, mesh, settings.compute_dtype, device)
             for name, p in model.named_parameters()
         }
-        units, _, persistent = build_units(model, ParamGather(mesh, None), settings.persistence_threshold)
+        units, _, persistent = build_units(
+            model, ParamGather(mesh, None), settings.persistence_threshold, settings.model_persistence_threshold
+        )
         all_units = units + ([persistent] if persistent is not None else [])  # the engine's all_units
         if settings.offload_param == "nvme":
             in_memory, on_disk = split_units(all_units, settings.max_in_cpu)

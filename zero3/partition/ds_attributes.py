@@ -1,11 +1,12 @@
 """DeepSpeed's read-only attributes on a partitioned parameter: `ds_numel`, `ds_shape`, `ds_status`,
-`ds_id` (compatibility for code written against DeepSpeed; Hugging Face reads `ds_numel` to count
-the parameters of a model built under `zero3.Init`).
+`ds_id`, `ds_tensor`, `ds_persist` (compatibility for code written against DeepSpeed; Hugging Face
+reads `ds_numel` to count the parameters of a model built under `zero3.Init`). zero3's own code
+never reads them: they are the compatibility surface, answered from zero3's state.
 
 They are computed from zero3's own records each time they are read (the parameter's
 `ShardedParam` and its gather unit), never kept as a second state. A parameter gets them by its
 class: while partitioned, it is an instance of a subclass of its own class (`nn.Parameter` for
-most) that adds the four properties, and it gets its class back when the engine releases it.
+most) that adds the properties, and it gets its class back when the engine releases it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _WITH_ATTRIBUTES: dict[type, type] = {}
 
 
 class DeepSpeedAttributes:
-    """The four properties (mixed into the parameter's own class)."""
+    """The properties (mixed into the parameter's own class)."""
 
     def _record(self) -> ShardedParam:
         sp = sharded(self)  # type: ignore[arg-type]
@@ -50,6 +51,24 @@ class DeepSpeedAttributes:
         if unit is not None:
             return unit.status
         return ParamStatus.AVAILABLE if sp.param.data.numel() == sp.numel else ParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's shard of the 16-bit parameter (flat, padded to whole shards): a view of the
+        `lp_params` buffer, valid until the next optimizer step (which writes it in place); a copy when
+        the shard lives on disk (offload_param nvme). Raises StateOffloadedError while it is parked."""
+        slot = self._record().lp_slot
+        if slot is None:
+            raise AttributeError("this parameter has no shard yet")
+        if slot.buffer.store is not None:
+            return slot.read()
+        return slot.view()
+
+    @property
+    def ds_persist(self) -> bool:
+        """Whether the parameter stays gathered between uses (stage3_param_persistence_threshold)."""
+        unit = unit_of(self._record())
+        return bool(unit is not None and unit.persistent)
 
     @property
     def ds_id(self) -> int:

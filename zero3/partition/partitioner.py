@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -62,13 +64,15 @@ class Partitioner:
 
 
 def build_units(
-    model: nn.Module, gather: ParamGather, threshold: int
+    model: nn.Module, gather: ParamGather, threshold: int, model_threshold: int = sys.maxsize,
 ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
     """One unit per module (the parameters it owns first), one for every parameter of at most
-    `threshold` elements (kept whole: the persistent unit), and each module's units to gather."""
+    `threshold` elements (kept whole: the persistent unit) while the persistent ones total at most
+    `model_threshold` elements (DeepSpeed's rule, in parameter order), and each module's units to gather."""
     seen: set[int] = set()
     units: list[GatherUnit] = []
     persistent: list[ShardedParam] = []
+    persistent_numel = 0
     for name, module in model.named_modules():
         own: list[ShardedParam] = []
         for param in module._parameters.values():
@@ -77,7 +81,11 @@ def build_units(
             seen.add(id(param))
             sp = sharded(param)
             assert sp is not None
-            (persistent if sp.numel <= threshold else own).append(sp)
+            if sp.numel <= threshold and persistent_numel + sp.numel <= model_threshold:
+                persistent.append(sp)
+                persistent_numel += sp.numel
+            else:
+                own.append(sp)
         if own:
             units.append(GatherUnit(own, gather, name or type(module).__name__))
     persistent_unit = None

@@ -71,6 +71,8 @@ class GatherUnit:
         self.label = label
         # Gathered once and kept (small parameters, stage3_param_persistence_threshold) until closed.
         self.persistent = persistent
+        # A gathered copy some of whose shards changed behind it (a local setter): gathered again at next use.
+        self.stale = False
         self.shard_numel = sum(sp.shard_numel for sp in params)
         self.numel = sum(sp.numel for sp in params)
         self.state = UnitState.SHARDED

@@ -169,7 +169,9 @@ def build(
     if spec is not None and spec.muon is not None:
         check_use_muon(model)
     partition(model, gather, device, compute_dtype)
-    units, module_units, persistent_unit = build_units(model, gather, zc.stage3_param_persistence_threshold)
+    units, module_units, persistent_unit = build_units(
+        model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
+    )
     all_units = units + ([persistent_unit] if persistent_unit is not None else [])
     sharded_params = [sp for unit in all_units for sp in unit.params]
     if spec is not None and spec.groups is not None:
@@ -210,7 +212,7 @@ def build(
         optimizer = ZeroOptimizer(
             groups, spec, state_layout, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
             optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
-            matrix_bucket_numel=zc.reduce_bucket_size,
+            matrix_bucket_numel=zc.reduce_bucket_size, ignore_unused_parameters=zc.ignore_unused_parameters,
         )
         if spec.client is not None:
             optimizer.read_client_state(spec.client)

@@ -224,8 +224,12 @@ class ParamCoordinator:
         self._forward_depth += 1
         if self._forward_depth > 1:
             return
-        if self.persistent_unit is not None:
-            self.persistent_unit.unshard()  # no-op unless an offload of lp_params released it
+        persistent = self.persistent_unit
+        if persistent is not None:
+            if persistent.stale:  # a local setter changed shards of it (zero3.accessors)
+                persistent.reshard()
+                persistent.stale = False
+            persistent.unshard()  # no-op unless an offload of lp_params released it
         self._release_root_returned()
         # A forward inside backward (a checkpointed root) gathers along the backward walk.
         if self.state is TrainingState.BACKWARD:

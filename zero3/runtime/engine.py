@@ -24,6 +24,7 @@ from zero3.partition.unit import GatherUnit
 from zero3.rank_failure import agreed
 from zero3.runtime.build import build
 from zero3.runtime.engine_checkpoints import CheckpointMethods
+from zero3.runtime.engine_getters import DeepSpeedGetters
 from zero3.runtime.engine_offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
 from zero3.runtime.lr_schedules import build_lr_scheduler
 from zero3.runtime.timers import StepTimers
@@ -32,10 +33,10 @@ log = logging.getLogger("zero3")
 
 NO_OPTIMIZER = "needs an optimizer: the config has no 'optimizer' section and initialize was given none"
 
-class ZeroEngine(CheckpointMethods, OffloadMethods):
+class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     """Wraps a model: partitioned parameters, hooks, gradient reduction, optimizer.
 
-    Training is here; the checkpoint and state-offloading API are its two mixins.
+    Training is here; the checkpoint and state-offloading API and DeepSpeed's getters are its mixins.
     """
 
     def __init__(
@@ -71,6 +72,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         if self.global_rank == 0:
             for message in config.ignored_settings():
                 log.warning("%s", message)
+            for message in config.inert_settings():
+                log.info("%s", message)
 
         spec = None
         if client_optimizer is not None:
@@ -105,6 +108,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
         self.global_steps = 0
         self._skipped_on_host = 0  # dynamic-scale skips; static-scale ones are counted on the device
         self._last_grad_norm: torch.Tensor | None = None
+        self._last_step_applied = True
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self.saves = AsyncSaves(self.host_pool)
         self._destroyed = False
@@ -236,6 +240,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods):
             self.coordinator.release_all()
             stepped, norm = self.optimizer.step()
             self._last_grad_norm = norm
+            self._last_step_applied = stepped
             if stepped:
                 self.parts.refresh_gathered()
                 if self.lr_scheduler is not None:

@@ -79,6 +79,14 @@ def master_slots(sp: ShardedParam) -> MasterSlots | None:
     return _MASTERS.get(sp)
 
 
+# The optimizer that steps each parameter (zero3.accessors asks whether it has stepped it yet).
+_OPTIMIZERS: weakref.WeakKeyDictionary[ShardedParam, "ZeroOptimizer"] = weakref.WeakKeyDictionary()
+
+
+def optimizer_of(sp: ShardedParam) -> "ZeroOptimizer | None":
+    return _OPTIMIZERS.get(sp)
+
+
 @dataclass
 class SubGroup:
     offset: int
@@ -106,9 +114,13 @@ class ZeroOptimizer:
         make_states: Callable[[tuple[str, ...], int, int], OptimizerStates],
         borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
         matrix_bucket_numel: int = 500_000_000,
+        ignore_unused_parameters: bool = True,
     ) -> None:
         self.comm = comm
         self.device = device
+        # DeepSpeed's zero_optimization.ignore_unused_parameters=false: a trained parameter without a
+        # gradient on every rank is an error (zero3 otherwise steps it as torch does: not at all).
+        self.ignore_unused_parameters = ignore_unused_parameters
         self.gradient_clipping = gradient_clipping
         self.loss_scaler = loss_scaler
         self.params = [sp for sps, _ in groups for sp in sps]
@@ -135,6 +147,7 @@ class ZeroOptimizer:
         # The 16-bit shards could not all be written after a step: rewritten from the masters first thing.
         self.lp_stale = False
         self.lp_write_error: StepIOError | None = None
+        self.last_overflow: torch.Tensor | None = None  # whether the last step's gradients were not finite
 
         self.sub_groups: list[SubGroup] = []
         self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] = {}
@@ -149,6 +162,7 @@ class ZeroOptimizer:
             )
             self.masters[sp] = slots
             _MASTERS[sp] = slots
+            _OPTIMIZERS[sp] = self
             assert sp.lp_slot is not None
             slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
             sp.hp_seed = None
@@ -375,10 +389,20 @@ class ZeroOptimizer:
             self.lp_stale = repairing  # kept alike on every rank
             raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
         assert work is not None
+        if not self.ignore_unused_parameters:
+            unused = [sp.name for sp in self.params if not self.grads.arrived[sp]]  # agreed: alike everywhere
+            if unused:
+                raise RuntimeError(
+                    f"{len(unused)} trained parameters got no gradient on any rank in this step "
+                    f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}) and "
+                    "zero_optimization.ignore_unused_parameters is false; the step was applied on no rank "
+                    "(set it to true to step only the parameters that have gradients, as torch does)"
+                )
         scaler_before = self.loss_scaler.state_dict()
         skipped_before = self.skipped.clone()
         norm = squared.sqrt() / scale
         overflow = ~torch.isfinite(squared)
+        self.last_overflow = overflow  # a device bool: was_step_applied reads it when asked
         found_inf: torch.Tensor | None = None
         if self.loss_scaler.dynamic:
             # The one host read a step makes: the dynamic scale's next value depends on it.
@@ -631,6 +655,8 @@ class ZeroOptimizer:
         for sp, slots in self.masters.items():
             if _MASTERS.get(sp) is slots:
                 del _MASTERS[sp]
+            if _OPTIMIZERS.get(sp) is self:
+                del _OPTIMIZERS[sp]
             if slots.hp in sp.followers:
                 sp.followers.remove(slots.hp)
         self.masters.clear()
