@@ -145,3 +145,83 @@ def test_deepspeed_keyword_for_the_config() -> None:
     assert zero3.safe_get_local_lp_param(lin.weight).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="not both"):
         zero3.Init(config=CFG, config_dict_or_path=CFG)
+
+
+# ---- DeepSpeed's other ways in (issue 25, point 5) ----------------------------------------------------------
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    with zero3.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def deepspeed_ways(rank: int, world: int) -> dict:
+    out: dict = {}
+    torch.manual_seed(0)
+    reference = Pair()
+    expected = {name: p.detach().clone() for name, p in reference.named_parameters()}
+
+    # An Init inside another does nothing: the outer one partitions, once.
+    torch.manual_seed(0)
+    with zero3.Init(config=CFG):
+        with zero3.Init(config_dict_or_path=CFG):
+            nested = Pair()
+    out["nested_partitioned"] = all(p.numel() == 0 and p.ds_numel > 0 for p in nested.parameters())
+    out["nested_values"] = all(torch.equal(v, expected[k]) for k, v in whole(nested).items())
+
+    # Init(module=m): a module built whole, partitioned now (rank 0's values).
+    torch.manual_seed(0)
+    built = Pair()
+    zero3.Init(module=built, config_dict_or_path=CFG, remote_device="cpu", pin_memory=True,
+               mem_efficient_linear=False)
+    out["module_partitioned"] = all(p.numel() == 0 for p in built.parameters())
+    out["module_values"] = all(torch.equal(v, expected[k]) for k, v in whole(built).items())
+
+    # module.cpu() / .to(dtype) / .to_empty() inside the context leave partitioned parameters alone.
+    torch.manual_seed(0)
+    with zero3.Init(config=CFG):
+        moved = Pair()
+        moved.cpu()
+        moved.to(torch.float16)
+        moved.to_empty(device="cpu")
+    out["moved_values"] = all(torch.equal(v, expected[k]) for k, v in whole(moved).items())
+
+    # A module built on the meta device (skip_init) is partitioned without values; they are loaded after.
+    with zero3.Init(config=CFG):
+        skipped = torch.nn.utils.skip_init(nn.Linear, 12, 16)
+    out["meta_partitioned"] = skipped.weight.numel() == 0 and skipped.weight.ds_shape == (16, 12)
+    with zero3.GatheredParameters(list(skipped.parameters()), modifier_rank=0):
+        if rank == 0:
+            skipped.load_state_dict(reference.fc1.state_dict())
+    out["meta_loaded"] = all(torch.equal(v, expected[f"fc1.{k}"]) for k, v in whole(skipped).items())
+
+    for name, make in (
+        ("positional_config", lambda: zero3.Init(CFG)),
+        ("other_group", lambda: zero3.Init(config=CFG, data_parallel_group=object())),
+        ("mpu", lambda: zero3.Init(config=CFG, mpu=object())),
+    ):
+        try:
+            make()
+            out[name] = None
+        except (TypeError, ValueError) as error:
+            out[name] = str(error)
+    return out
+
+
+def test_deepspeeds_init_arguments_nested_contexts_module_moves_and_meta_modules() -> None:
+    for out in run_ranks(2, deepspeed_ways):
+        assert out["nested_partitioned"] and out["nested_values"]
+        assert out["module_partitioned"] and out["module_values"]
+        assert out["moved_values"]
+        assert out["meta_partitioned"] and out["meta_loaded"]
+        assert "first argument is `module`" in out["positional_config"]
+        assert "data_parallel_group" in out["other_group"]
+        assert "mpu" in out["mpu"]

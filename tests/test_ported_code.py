@@ -153,3 +153,55 @@ def test_deepspeeds_engine_getters_answer_as_deepspeed_does() -> None:
         assert out["lr"] == [1e-2]
         assert out["live_before_empty"] == 8 * 64 + 8  # fc3 (weight and bias: one unit), its weight returned
         assert out["gathered_after_empty"] == [] and out["live_after_empty"] == 0
+
+
+class SharesByReference(torch.nn.Module):
+    """`head` uses `embed`'s weight through a plain list, where no module attribute is read: zero3 cannot
+    see the use, so it must be registered (DeepSpeed's register_external_parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16, bias=False)
+        self.head = Head(self.embed.weight)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.head(self.embed(x)), y)
+
+
+class Head(torch.nn.Module):
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.hidden = [weight]  # a list: not a registered parameter, not an attribute read
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.hidden[0]
+
+
+def external_and_generation(rank: int, world: int) -> dict:
+    out: dict = {}
+    torch.manual_seed(0)
+    plain = SharesByReference()
+    x, y = torch.randn(4 * world, 8), torch.randn(4 * world, 8)
+    expected = plain(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+    torch.manual_seed(0)
+    model = SharesByReference()
+    zero3.register_external_parameter(model.head, model.embed.weight)
+    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    with torch.no_grad():
+        # The forward runs head after embed has released its weight: only the registration gathers it.
+        out["external_loss"] = engine(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+    out["expected_loss"] = expected
+    with zero3.unwrap_model_for_generation(engine) as whole:
+        out["whole_inside"] = all(p.numel() == p.ds_numel for p in whole.parameters())
+        with torch.no_grad():
+            out["loss_inside"] = whole(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+    out["released_after"] = all(p.numel() == 0 for p in model.parameters())
+    engine.destroy()
+    return out
+
+
+def test_an_external_parameter_registered_as_in_deepspeed_and_the_whole_model_for_generation() -> None:
+    for out in run_ranks(2, external_and_generation):
+        assert out["external_loss"] == pytest.approx(out["expected_loss"], rel=1e-6)
+        assert out["whole_inside"] and out["loss_inside"] == pytest.approx(out["expected_loss"], rel=1e-6)
+        assert out["released_after"]

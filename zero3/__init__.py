@@ -26,8 +26,19 @@ from zero3.offload.disk import OffloadIOError, StepIOError
 from zero3.offload.report import StateReport
 from zero3.offload.tiers import TierConfigError
 from zero3.partition.flat_buffer import StateOffloadedError
-from zero3.partition.gathered import GatheredParameters
+from zero3.partition.external import register_external_parameter, unregister_external_parameter
+from zero3.partition.gathered import GatheredParameters, unwrap_model_for_generation
 from zero3.partition.init_context import Init
+from zero3.partition.leaf_modules import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.initialize import initialize
 from zero3.rank_failure import RankFailedError
@@ -52,6 +63,17 @@ __all__ = [
     "ZeroEngine",
     "ZeroParamStatus",
     "get_state_devices",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "unwrap_model_for_generation",
     "initialize",
     "load_config",
     "param_status",

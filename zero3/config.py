@@ -457,6 +457,15 @@ class AioConfig(_Model):
         return block_size
 
 
+class LeafModuleConfig(_Model):
+    """zero_optimization.leaf_module: modules gathered as one unit (zero3.partition.leaf_modules), by
+    class name (`Block` or `pkg.module.Block`), by `named_modules()` name, or by name suffix."""
+
+    classes: list[str] = []
+    names: list[str] = []
+    name_suffixes: list[str] = []
+
+
 def _to_device_cpu(key: str) -> Any:
     def translate(value: Any, data: dict[str, Any]) -> tuple[str | None, Any]:
         if value is True and data.get(key) is None:
@@ -543,7 +552,7 @@ class ZeroConfig(_Model):
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
     zenflow: dict[str, Any] | None = None
-    leaf_module: dict[str, Any] | None = None
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -601,10 +610,6 @@ class ZeroConfig(_Model):
             "compute_grad_norm": (not self.compute_grad_norm,
                                   "DeepSpeed allows compute_grad_norm=false with ZeRO stage 1 or 2 only"),
             "zenflow": (self.zenflow is not None, "ZenFlow (stale-gradient offload) is not offered"),
-            "leaf_module": (any(self.leaf_module.get(key) for key in ("classes", "names", "name_suffixes"))
-                            if self.leaf_module else False,
-                            "leaf modules are not offered yet (zero3's lockstep gather walk already keeps ranks "
-                            "whose experts differ in step)"),
         }
         for key, (refused, why) in unsupported.items():
             if refused:
@@ -680,7 +685,7 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.stage3_max_reuse_distance": (
         "no effect", "a unit is released once nothing holds it and gathered again ahead of its next use"),
     "zero_optimization.stage3_module_granularity_threshold": (
-        "no effect", "zero3 gathers per module; coalescing small modules into one unit is not done (yet)"),
+        "implemented", "modules with fewer parameter elements per layer become leaf modules (one unit)"),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": (
         "no effect", "zero3 fetches parameters with an all-gather, which gives the same values"),
     "zero_optimization.stage3_allgather_sequential": (
@@ -712,8 +717,7 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_quantized_gradients": ("off only", "false; not offered yet"),
     "zero_optimization.zenflow": ("off only", "absent; ZenFlow is not offered"),
     "zero_optimization.leaf_module": (
-        "off only", "no classes, names or suffixes; leaf modules are not offered yet (the lockstep walk keeps "
-        "ranks that run different experts in step)"),
+        "implemented", "classes, names, name_suffixes: each such module's parameters are one gather unit"),
     "zero_allow_untested_optimizer": ("no effect", "zero3 steps any elementwise torch optimizer"),
     "zero_force_ds_cpu_optimizer": ("no effect", "the host step is torch's fused kernel, not DeepSpeed's"),
     "activation_checkpointing": (

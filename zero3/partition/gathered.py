@@ -1,11 +1,14 @@
-"""`GatheredParameters`: whole parameters inside a `with` block."""
+"""`GatheredParameters`: whole parameters inside a `with` block; `unwrap_model_for_generation`, all of them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from types import TracebackType
+from typing import Any
 
 import torch
+from torch import nn
 
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, unit_of
@@ -78,3 +81,15 @@ class GatheredParameters:
         finally:
             for unit in self.units:
                 unit.release(Hold.PIN)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[nn.Module]:
+    """The whole module for `generate` (DeepSpeed's and TRL's name): every parameter gathered for the
+    block, so a generation loop of many short forwards gathers nothing per token. Takes the engine or
+    its module; collective (every rank enters it). Costs the whole model's 16-bit bytes on each rank."""
+    module = getattr(model, "module", model)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"unwrap_model_for_generation takes a zero3 engine or a module, got {type(model).__name__}")
+    with GatheredParameters(list(module.parameters())):
+        yield module

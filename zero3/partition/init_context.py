@@ -42,6 +42,7 @@ _METADATA_PASSTHROUGH = {
     "is_floating_point", "is_complex", "element_size", "new", "new_empty", "new_zeros", "new_ones",
     "new_full", "new_tensor", "layout", "is_sparse", "is_quantized", "is_meta", "get_device", "_is_view",
     "untyped_storage", "storage_offset", "is_contiguous", "stride", "__hash__", "__eq__" , "names",
+    "_has_compatible_shallow_copy_type",  # module._apply asks it before `param.data = ...`
 }
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
@@ -94,6 +95,8 @@ class _PartitionedWriteMode(TorchFunctionMode):
                 return shape[args[1] if len(args) > 1 else kwargs["dim"]]
             return shape
         if name == "data" and func.__name__ == "__set__" and target is not None:
+            if self._lookup(args[1]) is target:
+                return None  # `param.data = param` (module._apply keeping a partitioned parameter): nothing
             # `param.data = value`: the new value becomes the shards.
             full = args[1].detach().to(self.init.device, torch.float32).clone()
             if full.shape != target.shape:
@@ -146,18 +149,52 @@ class Init:
     `config` (or DeepSpeed's `config_dict_or_path`) is the engine config (dict,
     JSON path, or Zero3Config); its precision picks the 16-bit dtype of the shards. `dtype` overrides it.
     `enabled=False` makes the context a no-op (the engine partitions later).
+
+    DeepSpeed's other arguments: `module=m` partitions an already built module
+    now (no `with` needed); an Init inside another does nothing (the outer one
+    partitions); `remote_device`, `pin_memory` and `mem_efficient_linear` are
+    accepted with no effect (the engine's offload_param tier places the shards
+    at initialize; backward re-gathers what any module saved); `data_parallel_group`
+    may be the default group only. Inside the context, `module.cpu()`,
+    `.to(...)` and `.to_empty(...)` leave partitioned parameters as they are,
+    and a module built on the meta device (`torch.nn.utils.skip_init`) is
+    partitioned without its values: they come later, under
+    `GatheredParameters(..., modifier_rank=0)` or from a checkpoint.
     """
 
     _active: list["Init"] = []
 
     def __init__(
         self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: dict | str | None = None,
         config: dict | str | Zero3Config | None = None,
+        enabled: bool = True,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        enabled: bool = True,
-        config_dict_or_path: dict | str | None = None,
+        **unsupported: Any,
     ) -> None:
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(
+                f"zero3.Init's first argument is `module` (DeepSpeed's order), got a {type(module).__name__}; "
+                "pass the config as config=... or config_dict_or_path=..."
+            )
+        if unsupported:
+            raise TypeError(
+                f"zero3.Init does not take {sorted(unsupported)} (DeepSpeed's mpu, sequence and quantization "
+                "arguments have no counterpart yet)"
+            )
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero3.Init: remote_device={remote_device!r}: expected None, 'cpu' or 'nvme'")
+        if data_parallel_group is not None and data_parallel_group is not torch.distributed.group.WORLD:
+            raise ValueError(
+                "zero3.Init partitions over the default process group; another data_parallel_group is not "
+                "offered yet"
+            )
         if config is not None and config_dict_or_path is not None:
             raise ValueError("pass the config as `config` or `config_dict_or_path` (DeepSpeed's name), not both")
         config = config if config is not None else config_dict_or_path
@@ -174,6 +211,12 @@ class Init:
         self._mode: _PartitionedWriteMode | None = None
         self.gather: ParamGather | None = None
         self.partitioner: Partitioner | None = None
+        self._nested = False  # inside another Init: this one does nothing (DeepSpeed's rule)
+        self._original_apply: Callable[..., Any] | None = None
+        if module is not None and enabled:
+            with self:
+                if not self._nested:
+                    self._on_module_built(module)
 
     # ---- constructor interception ---------------------------------------
     def _wrap(self, cls: type) -> None:
@@ -240,7 +283,8 @@ class Init:
         if not self.enabled:
             return self
         if Init._active:
-            raise RuntimeError("zero3.Init contexts cannot be nested")
+            self._nested = True  # the outer context partitions what is built in this one
+            return self
         accelerator.set_device(self.device)
         comm.init_distributed(self.device)
         self.gather = ParamGather(ShardMesh.of_group(), comm.Communicator())
@@ -262,16 +306,34 @@ class Init:
         self._device_mode.__enter__()
         self._mode = _PartitionedWriteMode(self)
         self._patch_nn_init(self._mode)
+        self._patch_module_apply(self._mode)
         self._mode.__enter__()
         Init._active.append(self)
         return self
 
+    def _patch_module_apply(self, mode: _PartitionedWriteMode) -> None:
+        """`module.cpu()`, `.to(...)`, `.to_empty(...)` (all `Module._apply`) keep partitioned parameters
+        where zero3 put them, as DeepSpeed's Init does; everything else moves as usual."""
+        original = nn.Module._apply
+        self._original_apply = original
+
+        def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            def keep_partitioned(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor if mode._lookup(tensor) is not None else fn(tensor)
+
+            return original(module, keep_partitioned, *args, **kwargs)
+
+        nn.Module._apply = _apply  # type: ignore[method-assign]
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not self.enabled:
+        if not self.enabled or self._nested:
             return
         Init._active.remove(self)
+        if self._original_apply is not None:
+            nn.Module._apply = self._original_apply  # type: ignore[method-assign]
+            self._original_apply = None
         assert self._mode is not None
         self._mode.__exit__(exc_type, exc, tb)
         self._device_mode.__exit__(exc_type, exc, tb)

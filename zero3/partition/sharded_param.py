@@ -37,6 +37,7 @@ class ShardedParam:
         self.mesh = mesh
         self.shard_numel = mesh.shard_numel(self.numel)
         self.ds_id = -1  # DeepSpeed's parameter id (zero3.partition.ds_attributes gives one)
+        self.leaf = False  # gathered with a leaf module's unit (zero3.partition.leaf_modules)
         self.lp_slot: Slot | None = None
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
         # master): the optimizer adds its own and keeps everything else of its state to itself.

@@ -35,6 +35,7 @@ from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.leaf_modules import apply_leaf_module_config, set_leaves_by_granularity
 from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
@@ -169,6 +170,10 @@ def build(
     if spec is not None and spec.muon is not None:
         check_use_muon(model)
     partition(model, gather, device, compute_dtype)
+    leaf = zc.leaf_module
+    apply_leaf_module_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
+    if zc.stage3_module_granularity_threshold > 0:
+        set_leaves_by_granularity(model, zc.stage3_module_granularity_threshold)
     units, module_units, persistent_unit = build_units(
         model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     )
