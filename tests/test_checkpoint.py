@@ -518,6 +518,14 @@ def llama_job(rank: int, world: int, root: str) -> dict:
         engine.step()
     target = os.path.join(root, "llama")
     engine.save_16bit_model(target, max_shard_size="30KB")
+    engine.save_16bit_model(os.path.join(root, "bin"), "pytorch_model.bin")  # DeepSpeed's default name and format
+    blocked = os.path.join(root, f"a-file-{rank}")
+    open(blocked, "w").close()
+    try:  # rank 0 cannot make the directory (a file is in the way): every rank raises
+        engine.save_16bit_model(os.path.join(root, "a-file-0", "weights"))
+        blocked_error = None
+    except OSError as error:
+        blocked_error = f"{type(error).__name__}: {error}"
     engine.save_checkpoint(os.path.join(root, "llama-ckpt"))
     if rank == 0:
         config.save_pretrained(target)
@@ -529,8 +537,16 @@ def llama_job(rank: int, world: int, root: str) -> dict:
     with torch.no_grad():
         plain = loaded(input_ids=mine).logits
     engine.destroy()
+    from safetensors.torch import load_file
+
+    bin_state = torch.load(os.path.join(root, "bin", "pytorch_model.bin"), weights_only=True)
+    shards = {}
+    for name in os.listdir(target):
+        if name.endswith(".safetensors"):
+            shards.update(load_file(os.path.join(target, name)))
     return {"max_diff": (plain - logits).abs().max().item(), "files": sorted(os.listdir(target)),
-            "logits": logits, "input_ids": mine}
+            "logits": logits, "input_ids": mine, "blocked": blocked_error,
+            "bin_equal": sorted(bin_state) == sorted(shards) and all(torch.equal(bin_state[k], shards[k]) for k in shards)}
 
 
 def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(tmp_path: Path) -> None:
@@ -540,9 +556,13 @@ def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(tmp_
     from transformers import LlamaForCausalLM
 
     results = run_ranks(2, llama_job, str(tmp_path))
-    for result in results:  # save_16bit_model's shards
+    for rank, result in enumerate(results):  # save_16bit_model's shards
         assert result["max_diff"] < 1e-5
         assert "model.safetensors.index.json" in result["files"]
+        assert result["bin_equal"]  # pytorch_model.bin: a torch.save of the same state dict
+        assert result["blocked"] is not None and result["blocked"].startswith("NotADirectoryError"), result["blocked"]
+        if rank != 0:
+            assert "rank 0 failed in save_16bit_model" in result["blocked"], result["blocked"]
     exported = tmp_path / "llama-export"  # and `zero3 export` of the checkpoint
     proc = subprocess.run([sys.executable, "-m", "zero3.cli", "export", str(tmp_path / "llama-ckpt"), str(exported)],
                           capture_output=True, text=True, timeout=300)

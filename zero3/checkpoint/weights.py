@@ -97,22 +97,65 @@ class ShardedSafetensors:
         return finals + [index]
 
 
+class TorchStateDictFile:
+    """DeepSpeed's format for a name that is not `.safetensors` (its default `pytorch_model.bin`): one
+    `torch.save` of the whole state dict, written under a temporary name and then renamed."""
+
+    def __init__(self, out_dir: str | os.PathLike[str], filename: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.filename = filename
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._tensors[name] = tensor.detach().to("cpu").contiguous()
+
+    def close(self) -> list[Path]:
+        final = self.out_dir / self.filename
+        partial = self.out_dir / f".{self.filename}.part"
+        torch.save(self._tensors, partial)
+        os.replace(partial, final)
+        return [final]
+
+
+def check_weights_name(filename: str) -> None:
+    """A weights file name, checked on every rank before anything is gathered."""
+    if not isinstance(filename, str) or not filename or "/" in filename or filename in (".", ".."):
+        raise ValueError(f"weights file name {filename!r}: expected a file name (no directory)")
+
+
 def save_live(
     rank: int, module: torch.nn.Module, stream: Callable[[list[str] | None], Iterable[tuple[str, torch.Tensor]]],
     save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int, exclude_frozen_parameters: bool,
-) -> list[Path]:
+) -> tuple[list[Path], Exception | None]:
     """Write the whole parameters that `stream(names)` yields (an engine's `iter_full_params`: one gathered
-    at a time, collective); rank 0 writes each once (a tied weight under its first name), then the buffers."""
-    writer = ShardedSafetensors(save_dir, filename, max_shard_bytes) if rank == 0 else None
+    at a time, collective); rank 0 writes each once (a tied weight under its first name), then the buffers:
+    safetensors for a `.safetensors` name, DeepSpeed's torch.save state dict otherwise. A write that fails
+    on rank 0 does not stop the stream (the other ranks are in it): it is returned, for every rank to raise."""
+    check_weights_name(filename)
     names = None
     if exclude_frozen_parameters:
         names = [name for name, param in module.named_parameters() if param.requires_grad]
+    failure: Exception | None = None
+    writer: ShardedSafetensors | TorchStateDictFile | None = None
+    if rank == 0:
+        try:
+            writer = (ShardedSafetensors(save_dir, filename, max_shard_bytes) if filename.endswith(".safetensors")
+                      else TorchStateDictFile(save_dir, filename))
+        except Exception as error:  # noqa: BLE001 - returned, for every rank to raise
+            failure = error
     for name, tensor in stream(names):
-        if writer is not None:
-            # Kept past the next item, so copied (moving it to the host copies a device tensor already).
-            writer.add(name, tensor.clone() if tensor.device.type == "cpu" else tensor)
-    if writer is None:
-        return []
-    for name, value in persistent_buffers(module).items():  # never partitioned: whole on every rank
-        writer.add(name, value)
-    return writer.close()
+        if writer is not None and failure is None:
+            try:
+                # Kept past the next item, so copied (moving it to the host copies a device tensor already).
+                writer.add(name, tensor.clone() if tensor.device.type == "cpu" else tensor)
+            except Exception as error:  # noqa: BLE001 - returned, for every rank to raise
+                failure = error
+    if writer is None or failure is not None:
+        return [], failure
+    try:
+        for name, value in persistent_buffers(module).items():  # never partitioned: whole on every rank
+            writer.add(name, value)
+        return writer.close(), None
+    except Exception as error:  # noqa: BLE001 - returned, for every rank to raise
+        return [], error

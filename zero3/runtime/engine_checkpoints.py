@@ -21,6 +21,7 @@ from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
+from zero3.rank_failure import agreed
 from zero3.runtime.build import EngineParts
 from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
@@ -91,7 +92,9 @@ class CheckpointMethods:
         exclude_frozen_parameters: bool = False,
         max_shard_size: str | int = "5GB",
     ) -> bool:
-        """Write the whole model's weights (in the compute dtype) as safetensors; collective.
+        """Write the whole model's weights (in the compute dtype) as safetensors; collective. A name not
+        ending in `.safetensors` (DeepSpeed's default `pytorch_model.bin`) gets DeepSpeed's format, one
+        torch.save of the state dict. A write that fails on rank 0 is every rank's error.
 
         Streams the parameters (`iter_full_params`: one gathered at a time,
         read where they rest, so parked states stay parked); rank 0 writes. A
@@ -102,11 +105,18 @@ class CheckpointMethods:
         self._check_alive()
         self.parts.check_between_steps("save_16bit_model")
         shard_bytes = checkpoint_weights.parse_size(max_shard_size)
-        checkpoint_weights.save_live(
+        checkpoint_weights.check_weights_name(save_filename)
+        _, failure = checkpoint_weights.save_live(
             self.global_rank, self.module, lambda names: self.iter_full_params(names=names),
             save_dir, save_filename, shard_bytes, exclude_frozen_parameters,
         )
-        self.comm.barrier()  # the files are complete on every rank's return
+
+        def written() -> None:
+            if failure is not None:
+                raise failure
+
+        # The files are complete on every rank's return; a write that failed on rank 0 fails every rank.
+        agreed(self.comm, "save_16bit_model", written)
         return True
 
     def iter_full_params(
