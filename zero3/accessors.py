@@ -117,9 +117,9 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     slots = master_slots(sp)
     _refuse_parked([sp.lp_slot, slots.hp if slots is not None else None], "safe_set_local_fp32_param")
     if slots is not None:
-        _write(slots.hp, shard.float(), "safe_set_local_fp32_param")
+        slots.hp.write(shard.float())
     assert sp.lp_slot is not None
-    _write(sp.lp_slot, shard, "safe_set_local_fp32_param")
+    sp.lp_slot.write(shard)
     unit = unit_of(sp)
     if unit is not None and unit.state is not UnitState.SHARDED:
         unit.stale = True  # the others' shards of the gathered copy change too: gathered again at next use
@@ -158,10 +158,8 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, nam
 
 
 def _require_stepped(sp: ShardedParam, what: str) -> None:
-    from zero3.runtime.optimizer import optimizer_of
-
-    optimizer = optimizer_of(sp)
-    if optimizer is not None and not optimizer.has_state(sp):
+    slots = master_slots(sp)
+    if slots is not None and not slots.owner.has_state(sp):
         raise ValueError(
             f"{what}: {sp.name} has no optimizer state before its first step (torch creates it then, as the "
             "optimizer class does); set it after a step"

@@ -55,6 +55,13 @@ def peer_failure(
     everyone = comm.all_gather_objects(describe(own))
     if own is not None:
         return None  # this rank's own exception is already on its way
+    return first_failure(everyone, where, consequence)
+
+
+def first_failure(
+    everyone: list[tuple[str, str, str, dict[str, Any]] | None], where: str, consequence: str = ""
+) -> BaseException | None:
+    """From every rank's `describe()`, gathered: the first failing rank's exception, rebuilt."""
     for rank, found in enumerate(everyone):
         if found is not None:
             module, qualname, text, fields = found
@@ -96,12 +103,11 @@ def agreed(
     everyone = comm.all_gather_objects(describe(own))
     if own is not None:
         raise own
-    for rank, found in enumerate(everyone):
-        if found is not None:
-            if undo is not None:
-                undo()
-            module, qualname, text, fields = found
-            raise rebuild(module, qualname, f"rank {rank} failed in {where}: {text}{consequence}", fields)
+    peer = first_failure(everyone, where, consequence)
+    if peer is not None:
+        if undo is not None:
+            undo()
+        raise peer
     return result
 
 

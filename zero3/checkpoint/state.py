@@ -36,10 +36,11 @@ from zero3 import accelerator
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.trust import CheckpointReader, load_engine_file
 from zero3.checkpoint.tags import (
-    ENGINE_FILE, LATEST, METADATA, CheckpointError, check_engine_file, write_engine_sum, check_tag, checksums, damaged, dcp_files, prune, publish, resolve, staging_dir,
+    ENGINE_FILE, LATEST, METADATA, CheckpointError, check_engine_file, check_tag, checksums, damage_error, damaged,
+    dcp_files, prune, publish, resolve, staging_dir, write_engine_sum,
 )
 from zero3.comm import Communicator
-from zero3.rank_failure import describe, rebuild
+from zero3.rank_failure import describe, first_failure
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
@@ -439,13 +440,12 @@ def load(
     everyone = comm.all_gather_objects((describe(own), found))
     if own is not None:
         raise own
-    for rank, (failure, _) in enumerate(everyone):
-        if failure is not None:
-            module, qualname, text, fields = failure
-            raise rebuild(module, qualname, f"rank {rank} failed in load_checkpoint: {text}", fields)
+    peer = first_failure([failure for failure, _ in everyone], "load_checkpoint")
+    if peer is not None:
+        raise peer
     found = [line for _, lines in everyone for line in lines]
     if found:
-        raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(found))
+        raise damage_error(path, found)
     if not strict:
         wanted = {key: value for key, value in wanted.items() if key in saved_entries}
 

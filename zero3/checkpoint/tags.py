@@ -107,7 +107,12 @@ def check_engine_file(path: Path) -> None:
         raise CheckpointError(f"{str(sum_file)!r} cannot be read ({error})") from None
     problems = damaged(path, {ENGINE_FILE: (size, crc)}, [ENGINE_FILE])
     if problems:
-        raise CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + problems[0])
+        raise damage_error(path, problems)
+
+
+def damage_error(path: Path, problems: list[str]) -> CheckpointError:
+    """The error a load raises for a tag whose files do not match their sums (one line per file)."""
+    return CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(problems))
 
 
 def damaged(path: Path, expected: dict[str, tuple[int, int]], names: list[str]) -> list[str]:

@@ -310,7 +310,7 @@ class StateOffloader:
         self.settle()
         started = time.perf_counter()
         states = [state for state in self._parked if only is None or state in only]
-        nbytes = sum(entry.buffer.nbytes for entries in self._parked.values() for entry in entries)
+        nbytes = sum(entry.buffer.nbytes for state in states for entry in self._parked[state])
         errors: list[OffloadIOError] = []
         for state in states:
             entries = self._parked.pop(state)

@@ -68,6 +68,7 @@ class MasterSlots:
 
     hp: Slot
     moments: dict[str, Slot]
+    owner: "ZeroOptimizer"  # the optimizer that steps the parameter (zero3.accessors asks whether it has yet)
 
 
 # Each parameter's master slots, for the per-parameter accessors (zero3.safe_get_local_fp32_param, ...).
@@ -77,14 +78,6 @@ _MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKey
 def master_slots(sp: ShardedParam) -> MasterSlots | None:
     """The master and moments of `sp` in the optimizer that steps it; None if none does."""
     return _MASTERS.get(sp)
-
-
-# The optimizer that steps each parameter (zero3.accessors asks whether it has stepped it yet).
-_OPTIMIZERS: weakref.WeakKeyDictionary[ShardedParam, "ZeroOptimizer"] = weakref.WeakKeyDictionary()
-
-
-def optimizer_of(sp: ShardedParam) -> "ZeroOptimizer | None":
-    return _OPTIMIZERS.get(sp)
 
 
 @dataclass
@@ -159,10 +152,10 @@ class ZeroOptimizer:
             slots = MasterSlots(
                 Slot(self.hp_params, cursor, sp.shard_numel),
                 {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()},
+                self,
             )
             self.masters[sp] = slots
             _MASTERS[sp] = slots
-            _OPTIMIZERS[sp] = self
             assert sp.lp_slot is not None
             slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
             sp.hp_seed = None
@@ -399,7 +392,6 @@ class ZeroOptimizer:
                     "(set it to true to step only the parameters that have gradients, as torch does)"
                 )
         scaler_before = self.loss_scaler.state_dict()
-        skipped_before = self.skipped.clone()
         norm = squared.sqrt() / scale
         overflow = ~torch.isfinite(squared)
         self.last_overflow = overflow  # a device bool: was_step_applied reads it when asked
@@ -435,8 +427,10 @@ class ZeroOptimizer:
             found_inf = found_inf.to(self.step_device)
 
         def put_back() -> None:
+            """The loss scale and the skip count as before this step (it is not applied after all)."""
             self.loss_scaler.load_state_dict(scaler_before)
-            self.skipped.copy_(skipped_before)
+            if found_inf is not None:
+                self.skipped.sub_(overflow.to(self.skipped.dtype))  # what the fused path added above
 
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
@@ -655,8 +649,6 @@ class ZeroOptimizer:
         for sp, slots in self.masters.items():
             if _MASTERS.get(sp) is slots:
                 del _MASTERS[sp]
-            if _OPTIMIZERS.get(sp) is self:
-                del _OPTIMIZERS[sp]
             if slots.hp in sp.followers:
                 sp.followers.remove(slots.hp)
         self.masters.clear()
