@@ -1,13 +1,20 @@
-"""Run a test function on N ranks: N spawned processes on the gloo backend.
+"""Run a test function on N ranks: N fresh processes on the gloo backend.
 
 `run_ranks(world_size, fn, *args)` calls `fn(rank, world_size, *args)` in each
 rank (fn must be a module-level function) and returns the ranks' return
 values, in rank order. A failing rank fails the test with its traceback.
+
+Ranks are forked from a forkserver that has imported torch and zero3 once
+(a spawned rank spent most of its start-up importing them, and the suite
+starts hundreds): each rank is still a new process with nothing of an earlier
+test's. A forked rank would inherit the server's environment, from when it
+started, so each rank is handed the test's own `os.environ` explicitly.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import socket
 import sys
@@ -27,7 +34,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zero3", "tests.models"])
+
+
+def _worker(
+    rank: int, world_size: int, port: int, out_dir: str, environ: dict[str, str], fn: Callable[..., Any], args: tuple
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -47,8 +61,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-            join=True, start_method="spawn",
+            _worker, args=(world_size, free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
+            join=True, start_method="forkserver",
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 

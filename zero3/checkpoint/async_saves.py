@@ -6,8 +6,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from zero3.checkpoint.state import STAGING
 from zero3.offload.host import HostBufferPool
+
+STAGING = "ckpt-staging:"  # host-pool keys of an async save's copies
 
 
 class AsyncSaves:

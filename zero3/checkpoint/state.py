@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from zero3 import accelerator
+from zero3.checkpoint.async_saves import STAGING
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.trust import CheckpointReader, load_engine_file
 from zero3.checkpoint.tags import (
@@ -48,7 +49,6 @@ from zero3.partition.sharded_param import ShardedParam
 log = logging.getLogger("zero3")
 
 FORMAT = 1
-STAGING = "ckpt-staging:"  # host-pool keys of an async save's copies
 
 
 def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:

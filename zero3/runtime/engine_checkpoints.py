@@ -10,13 +10,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from zero3.checkpoint import state as checkpoint_state
-from zero3.checkpoint import weights as checkpoint_weights
 from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
@@ -27,7 +25,26 @@ from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.runtime.optimizer import ZeroOptimizer
 
+if TYPE_CHECKING:
+    from zero3.checkpoint import state as checkpoint_state
+
 log = logging.getLogger("zero3")
+
+
+# [Note: checkpoint code is imported on first use]
+# zero3.checkpoint stands on torch.distributed.checkpoint, whose import pulls in DTensor and sympy: most of
+# the time `import zero3` took. A rank that never saves or loads (every rank of a short job, every test
+# worker) should not pay it, so the methods below import it when they are first called.
+def _state():  # noqa: ANN202 - the module
+    from zero3.checkpoint import state
+
+    return state
+
+
+def _weights():  # noqa: ANN202 - the module
+    from zero3.checkpoint import weights
+
+    return weights
 
 
 class CheckpointMethods:
@@ -78,7 +95,7 @@ class CheckpointMethods:
         grads = self.parts.grads
         if grads is not None and grads.any_arrived():
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
-        written = checkpoint_state.save(
+        written = _state().save(
             self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last,
             self.saves.executor() if async_save else None,
         )
@@ -104,9 +121,9 @@ class CheckpointMethods:
         """
         self._check_alive()
         self.parts.check_between_steps("save_16bit_model")
-        shard_bytes = checkpoint_weights.parse_size(max_shard_size)
-        checkpoint_weights.check_weights_name(save_filename)
-        _, failure = checkpoint_weights.save_live(
+        shard_bytes = _weights().parse_size(max_shard_size)
+        _weights().check_weights_name(save_filename)
+        _, failure = _weights().save_live(
             self.global_rank, self.module, lambda names: self.iter_full_params(names=names),
             save_dir, save_filename, shard_bytes, exclude_frozen_parameters,
         )
@@ -184,7 +201,7 @@ class CheckpointMethods:
         self.parts.backward.finish()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.parts.coordinator.release_all()
-        restored = checkpoint_state.load(
+        restored = _state().load(
             self._checkpointed(), load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
             load_module_strict, weights_only,
         )
@@ -205,6 +222,7 @@ class CheckpointMethods:
         return restored.path, restored.client_state
 
     def _checkpointed(self) -> checkpoint_state.CheckpointedEngine:
+        checkpoint_state = _state()
         return checkpoint_state.CheckpointedEngine(
             module=self.module, comm=self.comm, rank=self.global_rank, world_size=self.world_size,
             compute_dtype=self.compute_dtype, device=self.device, sharded_params=self.parts.sharded_params,
