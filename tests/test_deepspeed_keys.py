@@ -98,8 +98,6 @@ def test_a_key_under_both_names_misspellings_and_auto_are_clear_errors() -> None
         load_config({"zero_optimization": {"stage3_prefetch_bucket_sise": 5}})
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu, optimizer.params.lr are \"auto\""):
         load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
-    with pytest.raises(ConfigError, match="reduce_scatter.*not offered"):
-        load_config({"zero_optimization": {"reduce_scatter": False}})
     for key, value in (("zero_hpz_partition_size", 2), ("zero_quantized_weights", True), ("zenflow", {}),
                        ("compute_grad_norm", False)):
         with pytest.raises(ConfigError, match=f"zero_optimization.{key}"):
@@ -161,10 +159,25 @@ def persistence_and_unused(rank: int, world: int) -> dict[str, Any]:
         out["unused"] = str(error)
     out["unchanged"] = all(torch.equal(a, zero3.safe_get_full_fp32_param(p)) for a, p in zip(before, model.parameters()))
     engine.destroy()
+
+    # reduce_scatter: DeepSpeed's false all-reduces and keeps the partition: the same shards as true
+    for reduce_scatter in (True, False):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "reduce_scatter": reduce_scatter}})[0]
+        for x, y in models.batches("x8", 3, 2 * world):
+            engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+            engine.step()
+        out[f"reduce_scatter {reduce_scatter}"] = [zero3.safe_get_local_fp32_param(p).clone()
+                                                   for p in model.parameters()]
+        out[f"inert {reduce_scatter}"] = engine.config.inert_settings()
+        engine.destroy()
     return out
 
 
-def test_model_persistence_threshold_and_ignore_unused_parameters_at_two_ranks() -> None:
+def test_model_persistence_threshold_ignore_unused_parameters_and_reduce_scatter_at_two_ranks() -> None:
     for out in run_ranks(2, persistence_and_unused):
         # fc1.bias (64), fc2.bias (64) and fc3.bias (8) are under 100 elements each, not 100 in all
         assert out["persistent None"] == ["fc1.bias", "fc2.bias", "fc3.bias"], out
@@ -172,6 +185,8 @@ def test_model_persistence_threshold_and_ignore_unused_parameters_at_two_ranks()
         assert out["unused"] is not None and "unused.weight" in out["unused"], out["unused"]
         assert "ignore_unused_parameters is false" in out["unused"] and "applied on no rank" in out["unused"]
         assert out["unchanged"]
+        assert all(torch.equal(a, b) for a, b in zip(out["reduce_scatter True"], out["reduce_scatter False"]))
+        assert [line for line in out["inert False"] if "reduce_scatter=false" in line.lower()], out["inert False"]
 
 
 def test_the_porting_page_holds_the_table() -> None:

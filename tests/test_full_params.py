@@ -115,8 +115,9 @@ def peak_extra_bytes(run: Any) -> dict[str, int]:
     "all": the allocator's own running total, every thread. "engine": what the calling thread
     allocates outside the collectives' calls, so without gloo's staging (c10d and gloo each stage a
     whole all-gather output in a buffer of their own, inside the call and on gloo's worker threads;
-    NCCL on a GPU writes in place). Events of one thread are in order, so this count is exact, or an
-    overestimate where a block the calling thread made is freed on another thread.
+    NCCL on a GPU writes in place). A block the calling thread made counts until it is freed, on
+    whichever thread that happens (a collective's worker thread may drop the last reference to a
+    tensor it was handed).
     """
     caller = threading.get_native_id()
     with tempfile.TemporaryDirectory() as scratch:
@@ -136,10 +137,10 @@ def peak_extra_bytes(run: Any) -> dict[str, int]:
     counted: dict[int, int] = {}
     engine = engine_peak = 0
     for e in memory:
-        if e["tid"] != caller:
-            continue
         nbytes, addr, ts = e["args"]["Bytes"], e["args"]["Addr"], e["ts"]
         if nbytes > 0:
+            if e["tid"] != caller:
+                continue
             if any(start <= ts <= end for start, end in spans):
                 continue  # the collective's own staging
             counted[addr] = nbytes

@@ -141,6 +141,26 @@ def getters(rank: int, world: int) -> dict:
     out["gathered_after_empty"] = [unit.label for unit in engine.units if unit.state.name != "SHARDED"]
     out["live_after_empty"] = engine.coordinator.live_numel()
     engine.destroy()
+
+    # Persistent parameters (the biases, under 100 elements) are released too, and gathered again by the next
+    # forward: training goes on exactly as without the call.
+    masters = {}
+    for empty in (False, True):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}})[0]
+        for step, (x, y) in enumerate(models.batches("x8", 3, 2 * world)):
+            if empty and step == 1:
+                out["persistent_before_empty"] = sum(p.numel() for p in model.parameters() if p.ds_persist)
+                engine.empty_partition_cache()
+                out["numel_after_empty"] = sum(p.numel() for p in model.parameters())
+            engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+            engine.step()
+        masters[empty] = [zero3.safe_get_local_fp32_param(p).clone() for p in model.parameters()]
+        engine.destroy()
+    out["same_after_empty"] = all(torch.equal(a, b) for a, b in zip(masters[False], masters[True]))
     return out
 
 
@@ -153,6 +173,8 @@ def test_deepspeeds_engine_getters_answer_as_deepspeed_does() -> None:
         assert out["lr"] == [1e-2]
         assert out["live_before_empty"] == 8 * 64 + 8  # fc3 (weight and bias: one unit), its weight returned
         assert out["gathered_after_empty"] == [] and out["live_after_empty"] == 0
+        assert out["persistent_before_empty"] == 64 + 64 + 8 and out["numel_after_empty"] == 0
+        assert out["same_after_empty"]
 
 
 class SharesByReference(torch.nn.Module):
@@ -205,3 +227,29 @@ def test_an_external_parameter_registered_as_in_deepspeed_and_the_whole_model_fo
         assert out["external_loss"] == pytest.approx(out["expected_loss"], rel=1e-6)
         assert out["whole_inside"] and out["loss_inside"] == pytest.approx(out["expected_loss"], rel=1e-6)
         assert out["released_after"]
+
+
+def edits_without_a_modifier_rank(rank: int, world: int) -> dict:
+    with zero3.Init(config=CONFIG):
+        model = models.MLP()
+    before = zero3.safe_get_local_lp_param(model.fc1.weight).clone()
+    out: dict = {}
+    for editing_rank in (None, 1):  # nobody edits; rank 1 alone edits
+        try:
+            with zero3.GatheredParameters([model.fc1.weight, model.fc2.weight]):
+                if rank == editing_rank:
+                    with torch.no_grad():
+                        model.fc1.weight.add_(1.0)
+            out[editing_rank] = None
+        except RuntimeError as error:
+            out[editing_rank] = str(error)
+    out["shard_unchanged"] = torch.equal(before, zero3.safe_get_local_lp_param(model.fc1.weight))
+    return out
+
+
+def test_an_in_place_edit_without_a_modifier_rank_is_every_ranks_error_as_in_deepspeed() -> None:
+    for out in run_ranks(2, edits_without_a_modifier_rank):
+        assert out[None] is None
+        assert out[1] is not None and "in-place modification" in out[1] and "modifier_rank" in out[1], out[1]
+        assert "(Linear.weight on rank 1)" in out[1], out[1]  # built under Init: named by its module's class
+        assert out["shard_unchanged"]  # the edit was discarded, as the message says

@@ -587,16 +587,6 @@ class ZeroConfig(_Model):
             raise ValueError("zero3 implements ZeRO stage 3 only")
         return stage
 
-    @field_validator("reduce_scatter")
-    @classmethod
-    def _always_reduce_scatter(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError(
-                "zero3 always reduce-scatters gradients (each rank keeps only its shard, which is ZeRO-3); "
-                "an all-reduce of whole gradients (reduce_scatter=false) is not offered: remove the key"
-            )
-        return value
-
     @model_validator(mode="after")
     def _not_offered(self) -> ZeroConfig:
         unsupported = {
@@ -673,7 +663,8 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.ignore_unused_parameters": (
         "implemented", "false: a step where a trained parameter got no gradient on any rank raises"),
     "zero_optimization.reduce_scatter": (
-        "implemented", "true is how zero3 always reduces gradients; false is refused"),
+        "no effect", "zero3 always reduce-scatters gradients; DeepSpeed's false (an all-reduce, each rank then "
+        "keeping its partition) leaves every rank the same gradient shard"),
     "zero_optimization.cpu_offload": ("translated", "true: offload_optimizer.device = 'cpu'"),
     "zero_optimization.cpu_offload_param": ("translated", "true: offload_param.device = 'cpu'"),
     "zero_optimization.cpu_offload_use_pin_memory": (
@@ -768,10 +759,11 @@ class Zero3Config(_Model):
     dataloader_drop_last: bool = False
     wall_clock_breakdown: bool = False
     # DeepSpeed's top-level keys that ZeRO-3 users write: no effect here (DEEPSPEED_KEYS).
-    zero_allow_untested_optimizer: bool = False
-    zero_force_ds_cpu_optimizer: bool = True
-    memory_breakdown: bool = False
-    dump_state: bool = False
+    # DeepSpeed reads these flags by truth value (its own tests write 1): 0 and 1 are accepted too.
+    zero_allow_untested_optimizer: Annotated[bool, Field(strict=False)] = False
+    zero_force_ds_cpu_optimizer: Annotated[bool, Field(strict=False)] = True
+    memory_breakdown: Annotated[bool, Field(strict=False)] = False
+    dump_state: Annotated[bool, Field(strict=False)] = False
     activation_checkpointing: dict[str, Any] | None = None
     checkpoint: dict[str, Any] | None = None
     comms_logger: dict[str, Any] | None = None

@@ -21,6 +21,8 @@ class GatheredParameters:
     block) are broadcast and become every rank's shards, fp32 master included,
     for the listed parameters only: the others gathered with them (a unit is
     gathered whole) keep their masters bit-identical.
+    Without a modifier rank, a parameter edited in place inside the block is an
+    error on every rank at exit (its edit would be lost), as in DeepSpeed.
     Must be entered on every rank (it is collective). Tensors that are not
     partitioned are accepted and left alone, as in DeepSpeed.
     """
@@ -63,6 +65,9 @@ class GatheredParameters:
             unit.fetch()
         for unit in self.units:
             unit.wait()
+        # Without a modifier rank an edit would be dropped on exit: note each parameter's storage and version
+        # to say so then (DeepSpeed raises on every rank, too).
+        self._versions = [(sp, sp.param.data_ptr(), sp.param._version) for sp in self.listed]
         return self
 
     def __exit__(
@@ -70,7 +75,15 @@ class GatheredParameters:
     ) -> None:
         if not self.enabled:
             return
+        edited: list[str] = []
         try:
+            if self.modifier_rank is None and exc_type is None and self.units:
+                own = sorted(sp.name for sp, pointer, version in self._versions
+                             if sp.param.data_ptr() != pointer or sp.param._version != version)
+                comm = self.units[0].gather.comm
+                assert comm is not None
+                everyone = comm.all_gather_objects(own)
+                edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
             if self.modifier_rank is not None and exc_type is None:
                 with torch.no_grad():
                     for unit in self.units:
@@ -81,6 +94,12 @@ class GatheredParameters:
         finally:
             for unit in self.units:
                 unit.release(Hold.PIN)
+        if edited:
+            raise RuntimeError(
+                f"in-place modification of partitioned parameters ({'; '.join(edited)}) inside "
+                "GatheredParameters(modifier_rank=None): the edit is discarded on exit, on every rank. Pass "
+                "modifier_rank=<the rank whose values to keep> to keep it"
+            )
 
 
 @contextlib.contextmanager

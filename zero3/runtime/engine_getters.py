@@ -61,11 +61,14 @@ class DeepSpeedGetters:
         return overflow is None or not bool(overflow)
 
     def empty_partition_cache(self) -> None:
-        """Release every gathered parameter now (those kept whole by the persistence threshold stay), as
-        DeepSpeed's does: between steps, e.g. before generation with another model."""
+        """Release every gathered parameter now, those kept whole by the persistence threshold too, as
+        DeepSpeed's does: between steps, e.g. before generation with another model. The next forward
+        gathers the persistent ones again."""
         self._check_alive()
         self.parts.check_between_steps("empty_partition_cache")
         self.parts.backward.finish()
         self.parts.coordinator.release_all()
         for unit in self.parts.units:
             unit.release_if_unneeded()
+        if self.parts.persistent_unit is not None:
+            self.parts.persistent_unit.reshard()  # re-gathered by the next forward
