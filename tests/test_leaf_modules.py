@@ -93,6 +93,7 @@ def train(rank: int, world: int, how: str) -> dict:
         engine.step()
     out["params"] = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
     out["live_after"] = engine.coordinator.live_numel()
+    out["fresh_buffers"] = engine.parts.reducer.fresh_buffers  # buckets that found no free scratch slot
     engine.destroy()
     dist.barrier()
     return out
@@ -114,6 +115,7 @@ def test_a_leaf_is_one_unit_and_ranks_on_different_experts_train_like_one_proces
                 fresh = run_ranks(1, reference_in_a_rank, 2)[0][name]
                 diff = (out["params"][name] - ref).abs()
                 raise AssertionError((name, diff.max().item(), int((diff > 1e-6).sum()), ref.numel(), out["routes"],
+                                      "buckets in fresh buffers:", out["fresh_buffers"],
                                       "fresh reference agrees with the engine:",
                                       torch.allclose(out["params"][name], fresh, rtol=1e-4, atol=1e-6),
                                       "with this process's reference:", torch.equal(fresh, ref)))
