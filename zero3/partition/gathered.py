@@ -82,8 +82,9 @@ class GatheredParameters:
                              if sp.param.data_ptr() != pointer or sp.param._version != version)
                 comm = self.units[0].gather.comm
                 assert comm is not None
-                everyone = comm.all_gather_objects(own)
-                edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
+                if comm.any_of_flags([bool(own)])[0]:  # one small all-reduce; the names travel only on an edit
+                    everyone = comm.all_gather_objects(own)
+                    edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
             if self.modifier_rank is not None and exc_type is None:
                 with torch.no_grad():
                     for unit in self.units:

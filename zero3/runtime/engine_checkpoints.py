@@ -121,9 +121,10 @@ class CheckpointMethods:
         """
         self._check_alive()
         self.parts.check_between_steps("save_16bit_model")
-        shard_bytes = _weights().parse_size(max_shard_size)
-        _weights().check_weights_name(save_filename)
-        _, failure = _weights().save_live(
+        weights = _weights()
+        shard_bytes = weights.parse_size(max_shard_size)
+        weights.check_weights_name(save_filename)
+        _, failure = weights.save_live(
             self.global_rank, self.module, lambda names: self.iter_full_params(names=names),
             save_dir, save_filename, shard_bytes, exclude_frozen_parameters,
         )
