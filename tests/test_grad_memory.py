@@ -3,6 +3,7 @@ gradient outlives its arrival (each is copied into its bucket's slot and autogra
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import pytest
@@ -86,3 +87,45 @@ def test_a_bucket_larger_than_the_model_still_cuts_it_in_several() -> None:
     assert result["scratch_bytes"] == 2 * result["capacity_bytes"]
     assert result["capacity_bytes"] <= -(-result["trainable_numel"] // MIN_BUCKETS) * 2 + result["largest_bytes"]
     assert result["outlived"] == 0
+
+
+class _CountedWork:
+    """A reduce-scatter's work that records each call of wait() (gloo's copies the reduced chunk out there)."""
+
+    def __init__(self, work, calls: list[str]) -> None:
+        self.work, self.calls = work, calls
+
+    def wait(self, *args) -> bool:
+        self.calls.append(threading.current_thread().name)
+        return self.work.wait(*args)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def count_waits(rank: int, world: int) -> list[list[str]]:
+    torch.manual_seed(0)
+    model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=3)
+    engine, *_ = zero3.initialize(model=model, config=cfg(BUCKET))
+    reduce = engine.reducer.reduce
+    start = reduce.start
+    waits: list[list[str]] = []
+
+    def counted_start(output, full):
+        waits.append([])
+        return _CountedWork(start(output, full), waits[-1])
+
+    reduce.start = counted_start
+    for x, y in models.batches("tokens", 2, 4 * world):
+        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.step()
+    engine.destroy()
+    return waits
+
+
+def test_each_reduction_is_waited_on_by_one_thread() -> None:
+    # gloo's reduce-scatter copies the reduced chunk into the bucket inside wait(): a second thread waiting
+    # on it could still be writing into a slot already handed to the next bucket (wrong gradients, 1 run in 8).
+    for waits in run_ranks(2, count_waits):
+        assert len(waits) > 4
+        assert all(len(calls) == 1 for calls in waits), waits

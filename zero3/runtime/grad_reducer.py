@@ -30,8 +30,11 @@ during a backward another rank may need this one to walk on first
 (zero3.runtime.gather_walk), so a busy slot whose reduction has not finished
 is replaced by a fresh buffer instead; blocking waits happen only once every
 rank has left the backward. (A gloo reduce-scatter's work never reports
-`is_completed()`, measured on torch 2.13, so on the CPU one helper thread
-waits on the reductions in order and says which have finished.)
+`is_completed()`, measured on torch 2.13: its `wait()` waits for an
+all-reduce and then copies this rank's chunk out, on the calling thread. So
+on the CPU one helper thread waits on the reductions in order and says which
+have finished, and it is the only thread that calls `wait()` on them: the
+backward thread waits for the helper's answer instead.)
 A gradient that arrives for a bucket already sent (a parameter accumulated
 twice in one backward, as reentrant checkpointing can do) is reduced in one
 more round at the end, which every rank joins if any rank needs it.
@@ -368,7 +371,12 @@ class GradientReducer:
         return None  # see the Note: a fresh buffer rather than a wait that could hang
 
     def _land(self, reduction: _Reduction) -> None:
-        if reduction.work is not None:
+        if reduction.finished is not None:
+            # Never wait on a gloo reduce-scatter's work from two threads: its wait() is what copies the
+            # reduced chunk into `output`, so a second waiter could still be writing into the slot after
+            # it was handed to the next bucket (16 elements of one gradient came out wrong, 1 run in 8).
+            reduction.finished.result()
+        elif reduction.work is not None:
             reduction.work.wait()
         self.reduce.finish(reduction.output)
         params = reduction.bucket.params
