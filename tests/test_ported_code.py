@@ -253,3 +253,56 @@ def test_an_in_place_edit_without_a_modifier_rank_is_every_ranks_error_as_in_dee
         assert out[1] is not None and "in-place modification" in out[1] and "modifier_rank" in out[1], out[1]
         assert "(Linear.weight on rank 1)" in out[1], out[1]  # built under Init: named by its module's class
         assert out["shard_unchanged"]  # the edit was discarded, as the message says
+
+
+def accumulation_from_outside(rank: int, world: int) -> dict:
+    """accelerate's loop: it divides the loss by the accumulation steps itself and says which micro-step
+    ends an accumulation; the engine must neither divide again nor keep its own count."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    data = models.batches("x8", 8, 2 * world)
+    masters, steps = {}, {}
+    for how in ("counted", "outside", "every_micro_step"):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config=config)[0]
+        for i, (x, y) in enumerate(data):
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            if how == "counted":
+                engine.backward(loss)
+            elif how == "outside":
+                engine.set_gradient_accumulation_boundary(i % 2 == 1)
+                assert engine.is_gradient_accumulation_boundary() == (i % 2 == 1)
+                engine.backward(loss / 2, scale_wrt_gas=False)
+            else:  # a boundary at every micro-step, whatever the config's accumulation says
+                engine.set_gradient_accumulation_boundary(True)
+                engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+        masters[how] = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+        steps[how] = engine.global_steps
+        engine.destroy()
+    # The last: one step per micro-batch on its whole loss, as a plain loop without accumulation.
+    torch.manual_seed(0)
+    reference = models.MLP()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for x, y in data:
+        (sum(reference(xs, ys) for xs, ys in zip(x.chunk(world), y.chunk(world))) / world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "steps": steps,
+        "outside_is_counted": all(torch.equal(a, b) for a, b in zip(masters["counted"], masters["outside"])),
+        "every_micro_step": masters["every_micro_step"],
+        "reference": [p.detach().clone() for p in reference.parameters()],
+    }
+
+
+def test_an_accumulation_decided_outside_the_engine_as_accelerate_does() -> None:
+    for out in run_ranks(2, accumulation_from_outside):
+        assert out["steps"] == {"counted": 4, "outside": 4, "every_micro_step": 8}
+        assert out["outside_is_counted"]  # bit-identical: no second division, no G*G micro-steps per step
+        for got, expected in zip(out["every_micro_step"], out["reference"]):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -109,6 +109,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._skipped_on_host = 0  # dynamic-scale skips; static-scale ones are counted on the device
         self._last_grad_norm: torch.Tensor | None = None
         self._last_step_applied = True
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's answer
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self.saves = AsyncSaves(self.host_pool)
         self._destroyed = False
@@ -142,8 +143,12 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._next_collective = "backward" if torch.is_grad_enabled() and self.optimizer is not None else "forward"
         return output
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale).
+
+        `scale_wrt_gas=False` (DeepSpeed's argument): the caller has already
+        divided the loss by its accumulation steps (accelerate does), so only the
+        loss scale is applied.
 
         If it raises, the pass still ends on every rank that raised (nothing is
         left gathered or in flight); `engine.zero_grad()` then drops the partial
@@ -157,7 +162,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             raise RuntimeError(f"engine.backward {NO_OPTIMIZER}")
         self._require_resident("backward", BACKWARD_NEEDS)
         self._next_collective = None
-        factor = self.loss_scaler.loss_scale / self.batch.gradient_accumulation_steps
+        factor = self.loss_scaler.loss_scale
+        if scale_wrt_gas:
+            factor /= self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self.timers.phase("backward"):
             self.parts.backward.begin()
@@ -219,7 +226,19 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             self.optimizer.join_as_failed(failure)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` steps the optimizer: the caller's answer if it set one
+        (`set_gradient_accumulation_boundary`), else every gradient_accumulation_steps micro-steps."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide the accumulation boundary from outside (DeepSpeed's method; accelerate calls it before
+        each backward): the next `step()` steps the optimizer iff `is_boundary`, until set again. None
+        returns to counting micro-steps. Every rank must set the same value."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be a bool or None, got {is_boundary!r}")
+        self._boundary_override = is_boundary
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary, step the optimizer."""
