@@ -306,3 +306,38 @@ def test_an_accumulation_decided_outside_the_engine_as_accelerate_does() -> None
         assert out["outside_is_counted"]  # bit-identical: no second division, no G*G micro-steps per step
         for got, expected in zip(out["every_micro_step"], out["reference"]):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+class Generates(models.MLP):
+    """A model with a method and an attribute the engine lacks (as a Hugging Face model has `generate`)."""
+
+    label = "a model attribute"
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(x).argmax(-1)
+
+
+def engine_forwards(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Generates()
+    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    x = torch.randn(3, 16)
+    with torch.no_grad(), zero3.GatheredParameters(list(model.parameters())):
+        expected = model.fc1(x).argmax(-1)
+    out = {
+        "generated": torch.equal(engine.generate(x), expected),
+        "label": engine.label,
+        "own_config": type(engine.config).__name__,  # the engine's own attributes come first
+    }
+    try:
+        engine.no_such_attribute
+    except AttributeError as error:
+        out["error"] = str(error)
+    engine.destroy()
+    return out
+
+
+def test_the_engine_answers_what_it_lacks_from_its_module_as_deepspeeds_does() -> None:
+    for out in run_ranks(2, engine_forwards):
+        assert out["generated"] and out["label"] == "a model attribute" and out["own_config"] == "Zero3Config"
+        assert out["error"] == "'ZeroEngine' object has no attribute 'no_such_attribute', and neither has its module (Generates)"

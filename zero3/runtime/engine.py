@@ -120,6 +120,20 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     def all_units(self) -> list[GatherUnit]:
         return self.parts.all_units
 
+    def __getattr__(self, name: str) -> Any:
+        """What the engine lacks, its module answers (`engine.generate`, `engine.gradient_checkpointing_enable`),
+        as DeepSpeed's engine does; only names the engine does not have get here."""
+        module = self.__dict__.get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+            + (f", and neither has its module ({type(module).__name__})" if module is not None else "")
+        )
+
     # ---- training API -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
