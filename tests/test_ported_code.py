@@ -341,3 +341,38 @@ def test_the_engine_answers_what_it_lacks_from_its_module_as_deepspeeds_does() -
     for out in run_ranks(2, engine_forwards):
         assert out["generated"] and out["label"] == "a model attribute" and out["own_config"] == "Zero3Config"
         assert out["error"] == "'ZeroEngine' object has no attribute 'no_such_attribute', and neither has its module (Generates)"
+
+
+class WithBuffer(models.TiedTransformer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step_count", torch.tensor([7.0]))
+
+
+def consolidated(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = WithBuffer()
+    model.blocks[0].requires_grad_(False)
+    config = {**CONFIG, "bf16": {"enabled": True}}
+    engine = zero3.initialize(model=model, config=config)[0]
+    whole = engine._zero3_consolidated_16bit_state_dict()  # the name Hugging Face's save_model calls
+    trained_only = engine.consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    engine.destroy()
+    return {"whole": whole, "trained_only": None if trained_only is None else sorted(trained_only)}
+
+
+def test_the_consolidated_16bit_state_dict_is_the_whole_model_on_rank_0() -> None:
+    torch.manual_seed(0)
+    plain = WithBuffer()
+    expected = {name: value.to(torch.bfloat16) if value.is_floating_point() and name != "step_count" else value
+                for name, value in plain.state_dict().items()}
+    first, second = run_ranks(2, consolidated)
+    assert second == {"whole": None, "trained_only": None}
+    whole = first["whole"]
+    assert list(whole) == list(expected)  # tied names both present, buffers after, in state_dict order
+    for name, value in expected.items():
+        assert whole[name].dtype == value.dtype and torch.equal(whole[name], value), name
+    assert whole["head.weight"] is whole["embed.weight"]
+    plain.load_state_dict(whole, strict=True)
+    frozen = {name for name, p in plain.named_parameters(remove_duplicate=False) if name.startswith("blocks.0.")}
+    assert first["trained_only"] == sorted(set(expected) - frozen)

@@ -124,6 +124,36 @@ def check_weights_name(filename: str) -> None:
         raise ValueError(f"weights file name {filename!r}: expected a file name (no directory)")
 
 
+def consolidated_state_dict(
+    rank: int, module: torch.nn.Module, stream: Callable[[list[str] | None], Iterable[tuple[str, torch.Tensor]]],
+    exclude_frozen_parameters: bool,
+) -> dict[str, torch.Tensor] | None:
+    """The whole state dict, parameters then buffers in `module.state_dict()`'s order, on rank 0 (None on the
+    others): every parameter gathered one at a time by `stream(names)` (collective) and copied there. A tied
+    weight is one tensor under each of its names, as `load_state_dict` wants."""
+    names = None
+    if exclude_frozen_parameters:
+        names = [name for name, param in module.named_parameters() if param.requires_grad]
+    whole: dict[str, torch.Tensor] = {}
+    for name, tensor in stream(names):
+        if rank == 0:
+            whole[name] = tensor.detach().to("cpu", copy=True)
+    if rank != 0:
+        return None
+    first_name: dict[int, str] = {}
+    state: dict[str, torch.Tensor] = {}
+    parameter_names = dict(module.named_parameters(remove_duplicate=False))
+    buffers = persistent_buffers(module)
+    for name in module.state_dict():
+        if name in parameter_names:
+            first = first_name.setdefault(id(parameter_names[name]), name)
+            if first in whole:
+                state[name] = whole[first]
+        elif name in buffers:
+            state[name] = buffers[name].detach().to("cpu", copy=True)
+    return state
+
+
 def save_live(
     rank: int, module: torch.nn.Module, stream: Callable[[list[str] | None], Iterable[tuple[str, torch.Tensor]]],
     save_dir: str | os.PathLike[str], filename: str, max_shard_bytes: int, exclude_frozen_parameters: bool,

@@ -137,6 +137,24 @@ class CheckpointMethods:
         agreed(self.comm, "save_16bit_model", written)
         return True
 
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict in the compute dtype, on rank 0's host; None on the other ranks.
+        Collective. DeepSpeed's `_zero3_consolidated_16bit_state_dict` (what Hugging Face's `save_model`
+        calls), also under that name.
+
+        Rank 0 ends up holding the whole model (the point of it); to write the
+        weights without that, `save_16bit_model` streams them to files.
+        Parameters are gathered one at a time (`iter_full_params`); a tied
+        weight is one tensor under each of its names; buffers come as they are.
+        """
+        self._check_alive()
+        self.parts.check_between_steps("consolidated_16bit_state_dict")
+        return _weights().consolidated_state_dict(
+            self.global_rank, self.module, lambda names: self.iter_full_params(names=names), exclude_frozen_parameters,
+        )
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
+
     def iter_full_params(
         self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
