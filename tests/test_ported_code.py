@@ -376,3 +376,28 @@ def test_the_consolidated_16bit_state_dict_is_the_whole_model_on_rank_0() -> Non
     plain.load_state_dict(whole, strict=True)
     frozen = {name for name, p in plain.named_parameters(remove_duplicate=False) if name.startswith("blocks.0.")}
     assert first["trained_only"] == sorted(set(expected) - frozen)
+
+
+def frozen_model(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    model.requires_grad_(False)
+    engine = zero3.initialize(model=model, config=CONFIG)[0]  # the training config, optimizer section and all
+    x, y = models.batches("x8", 1, 2 * world)[0]
+    with torch.no_grad():
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+    out = {"optimizer": engine.optimizer, "bytes": engine.model_state_bytes(), "loss": loss}
+    engine.destroy()
+    torch.manual_seed(0)
+    plain = models.MLP()
+    out["plain_loss"] = plain(x.chunk(world)[rank], y.chunk(world)[rank]).item()
+    return out
+
+
+def test_a_frozen_model_gets_no_optimizer_and_no_optimizer_state() -> None:
+    # TRL builds its reference model with the training config: nothing to step, so nothing is kept for a step.
+    for out in run_ranks(2, frozen_model):
+        assert out["optimizer"] is None
+        assert out["bytes"]["hp_params"] == out["bytes"]["optim_states"] == out["bytes"]["lp_grads"] == 0
+        assert out["bytes"]["contiguous_grad_buffer"] == 0
+        assert out["loss"] == out["plain_loss"]

@@ -85,6 +85,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             spec = optimizer_spec.from_client(client_optimizer)
         elif config.optimizer is not None:
             spec = optimizer_spec.from_config(config.optimizer)
+        if spec is not None and not any(p.requires_grad for p in model.parameters()):
+            # A frozen model (a reference or reward model built with the training config): nothing to step.
+            log.info("no parameter requires grad: the engine is built without an optimizer (it does not train)")
+            spec = None
 
         comm.open_side_groups()
         self.parts = build(model, config, comm, self.gather, device, model_parameters, self.global_rank, spec)
