@@ -205,6 +205,15 @@ def test_bad_value_names_key_and_value(config: dict[str, Any], key: str, got: st
     assert f"(got {got})" in message
 
 
+def test_steps_per_print_infinity_means_never() -> None:
+    # accelerate writes float("inf") to turn DeepSpeed's progress line off; JSON spells it Infinity.
+    assert load_config({"steps_per_print": float("inf")}).steps_per_print is None
+    assert load_config(json.loads('{"steps_per_print": Infinity}')).steps_per_print is None
+    assert load_config({"steps_per_print": 5.0}).steps_per_print == 5
+    assert "steps_per_print: expected a whole number (got 2.5)" in error_of({"steps_per_print": 2.5})
+    assert "steps_per_print" in error_of({"steps_per_print": float("-inf")})
+
+
 def test_nan_rejected() -> None:
     assert "gradient_clipping" in error_of({"gradient_clipping": float("nan")})
 

@@ -90,6 +90,13 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
+def _never_if_infinite(value: Any) -> Any:
+    # float("inf") (JSON's Infinity) is how accelerate turns DeepSpeed's progress line off.
+    if isinstance(value, float) and value == math.inf:
+        return None
+    return _whole_number(value)
+
+
 # Integer byte/element counts that may be written as whole floats (5e8).
 _Size = Annotated[int, BeforeValidator(_whole_number)]
 
@@ -754,7 +761,8 @@ class Zero3Config(_Model):
     # after it (1.0: sum, then average; world size: average first, no fp16 overflow).
     gradient_predivide_factor: float = Field(default=1.0, gt=0)
     prescale_gradients: bool = False
-    steps_per_print: int = Field(default=10, gt=0)
+    # A progress line every this many steps; None never (accelerate writes float("inf") for that).
+    steps_per_print: Annotated[int | None, BeforeValidator(_never_if_infinite)] = Field(default=10, gt=0)
     # The DataLoader initialize(training_data=...) returns drops a last, short batch (DeepSpeed's key).
     dataloader_drop_last: bool = False
     wall_clock_breakdown: bool = False

@@ -290,7 +290,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.global_steps += 1
         self._next_collective = "forward"
         printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
-        if printing and self.global_steps % self.config.steps_per_print == 0:
+        every = self.config.steps_per_print
+        if printing and every is not None and self.global_steps % every == 0:
             self._print_progress()
         if self.optimizer.lp_write_error is not None:
             error, self.optimizer.lp_write_error = self.optimizer.lp_write_error, None
