@@ -401,3 +401,65 @@ def test_a_frozen_model_gets_no_optimizer_and_no_optimizer_state() -> None:
         assert out["bytes"]["hp_params"] == out["bytes"]["optim_states"] == out["bytes"]["lp_grads"] == 0
         assert out["bytes"]["contiguous_grad_buffer"] == 0
         assert out["loss"] == out["plain_loss"]
+
+
+def plain_backward(rank: int, world: int) -> dict:
+    """DeepSpeed 0.19's direct backward: `loss.backward()` (or `engine.scale(loss).backward()`) trains as
+    `engine.backward(loss)`, gradients divided by the accumulation steps."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    data = models.batches("x8", 6, 2 * world)
+    masters = {}
+    for how in ("engine", "plain", "scaled"):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config=config)[0]
+        for x, y in data:
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            if how == "engine":
+                engine.backward(loss)
+            elif how == "plain":
+                loss.backward()
+            else:
+                engine.scale(loss).backward()
+            engine.step()
+        masters[how] = [zero3.safe_get_local_fp32_param(p).clone() for p in model.parameters()]
+        engine.destroy()
+    out = {how: all(torch.equal(a, b) for a, b in zip(masters["engine"], masters[how])) for how in ("plain", "scaled")}
+
+    # Under an fp16 loss scale a plain backward of the unscaled loss is an error on every rank (it would
+    # underflow silently); engine.scale(loss).backward() then trains as engine.backward(loss).
+    fp16 = {**config, "fp16": {"enabled": True, "loss_scale": 1024}}
+    fp16_masters = {}
+    for how in ("engine", "scaled"):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config=fp16)[0]
+        if how == "scaled":
+            x, y = data[0]
+            try:
+                engine(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            except RuntimeError as error:
+                out["unscaled_fp16"] = str(error)
+                engine.zero_grad()
+        for x, y in data:
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            if how == "engine":
+                engine.backward(loss)
+            else:
+                engine.scale(loss).backward()
+            engine.step()
+        fp16_masters[how] = [zero3.safe_get_local_fp32_param(p).clone() for p in model.parameters()]
+        engine.destroy()
+    out["fp16_scaled"] = all(torch.equal(a, b) for a, b in zip(fp16_masters["engine"], fp16_masters["scaled"]))
+    return out
+
+
+def test_a_plain_loss_backward_trains_as_engine_backward_as_in_deepspeed() -> None:
+    for out in run_ranks(2, plain_backward):
+        assert out["plain"] and out["scaled"]  # bit-identical, accumulation 2 and clipping included
+        assert "engine.scale(loss).backward()" in out["unscaled_fp16"]
+        assert out["fp16_scaled"]

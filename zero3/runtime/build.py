@@ -232,7 +232,10 @@ def build(
         device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
         zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
     )
-    backward = BackwardPass(units, persistent_unit, coordinator, reducer, grads, device)
+    backward = BackwardPass(
+        units, persistent_unit, coordinator, reducer, grads, device,
+        config.resolve_batch(gather.mesh.world_size).gradient_accumulation_steps if spec is not None else 1, loss_scaler,
+    )
     coordinator.install()
     if persistent_unit is not None:
         persistent_unit.unshard()

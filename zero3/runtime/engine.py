@@ -196,6 +196,20 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._next_collective = "step" if self.is_gradient_accumulation_boundary() else "forward"
         return loss
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, for a plain `.backward()` (DeepSpeed's method): the
+        gradients are then handled as engine.backward's are (see the Note on a plain loss.backward() in
+        zero3.runtime.grad_hooks). Without an fp16 scale it returns `loss` itself."""
+        self._check_alive()
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.scale {NO_OPTIMIZER}")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("engine.scale expects a scalar loss tensor with a grad_fn, got "
+                             + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__))
+        self.parts.backward.manually_scaled = True
+        factor = self.loss_scaler.loss_scale
+        return loss.float() * factor if factor != 1.0 else loss
+
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (DeepSpeed's name; `optimizer.zero_grad()` in plain PyTorch).
 

@@ -13,6 +13,7 @@ from zero3.partition.unit import GatherUnit, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.rank_failure import raise_peer_failure
 
 log = logging.getLogger("zero3")
@@ -27,8 +28,13 @@ class BackwardPass:
         reducer: GradientReducer,
         grads: GradShards | None,
         device: torch.device,
+        gradient_accumulation_steps: int = 1,
+        loss_scaler: LossScaler | DynamicLossScaler | None = None,
     ) -> None:
         self.units = units
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.loss_scaler = loss_scaler
+        self.manually_scaled = False  # engine.scale(loss) was called for the next plain loss.backward()
         self.coordinator = coordinator
         self.reducer = reducer
         self.grads = grads
@@ -52,20 +58,39 @@ class BackwardPass:
             if self.grads is None or sp not in self.grads:
                 log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
             else:
-                self.begin()  # no-op unless a plain loss.backward() runs outside engine.backward
+                self.begin(plain=True)  # no-op unless a plain loss.backward() runs outside engine.backward
                 self.grads.mark_arrived(sp)
                 self.reducer.add(sp, grad)
             self.coordinator.grad_arrived(unit)
 
         return hook
 
-    def begin(self) -> None:
+    def begin(self, plain: bool = False) -> None:
+        """Open a pass. `plain`: opened by a gradient of a `loss.backward()` called outside engine.backward.
+
+        [Note: a plain loss.backward()]
+        As in DeepSpeed 0.19, a plain `loss.backward()` trains as
+        `engine.backward(loss)` does: its gradients are divided by the
+        accumulation steps (here, in the bucket before the sum across ranks),
+        and under an fp16 loss scale the loss must have gone through
+        `engine.scale(loss)` first (an unscaled fp16 backward would underflow
+        silently: it is an error, raised by every rank at the same gradient).
+        """
         if self.reducer.open:
             return
+        scale = 1.0
+        if plain:
+            manually_scaled, self.manually_scaled = self.manually_scaled, False
+            if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0 and not manually_scaled:
+                raise RuntimeError(
+                    "fp16 loss scaling needs the loss scaled before backward, and loss.backward() was called on an "
+                    "unscaled loss: call engine.backward(loss), or engine.scale(loss).backward()"
+                )
+            scale = 1.0 / self.gradient_accumulation_steps
         self.coordinator.begin_backward()
         # A parameter whose unit no forward used since the last backward cannot get a gradient.
         used = self.coordinator.used_since_backward
-        self.reducer.begin(sp for unit in self.units if unit not in used for sp in unit.params)
+        self.reducer.begin((sp for unit in self.units if unit not in used for sp in unit.params), scale)
 
     @property
     def open(self) -> bool:

@@ -157,6 +157,7 @@ class GradientReducer:
         self._arriving: list[_HostArrival] = []
         self._inflight: list[_Reduction] = []
         self._open = False
+        self._pass_scale = 1.0  # this pass's factor on its gradients (begin's `scale`)
         # Per bucket in this pass: its storage once its first gradient arrived (slot index or None for a
         # fresh buffer), and which of its parameters have a gradient placed there.
         self._storage: list[tuple[torch.Tensor, int | None] | None] = []
@@ -223,11 +224,13 @@ class GradientReducer:
     def open(self) -> bool:
         return self._open
 
-    def begin(self, absent: Iterable[ShardedParam] = ()) -> None:
-        """Start a pass; `absent` parameters cannot get a gradient in it (they count as zero)."""
+    def begin(self, absent: Iterable[ShardedParam] = (), scale: float = 1.0) -> None:
+        """Start a pass; `absent` parameters cannot get a gradient in it (they count as zero). Its gradients
+        are multiplied by `scale` before the sum (a plain loss.backward()'s 1/accumulation steps)."""
         if self._open:
             return
         self._open = True
+        self._pass_scale = scale
         self._storage = [None] * len(self.buckets)
         self._placed = [[False] * len(b.params) for b in self.buckets]
         self._accounted = [[False] * len(b.params) for b in self.buckets]
@@ -347,8 +350,9 @@ class GradientReducer:
         self._storage[j] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
         output = self.reduce.own_chunk(full, bucket.shard_numel)  # reduced in place
-        if self.pre_scale != 1.0:
-            full.mul_(self.pre_scale)
+        factor = self.pre_scale * self._pass_scale
+        if factor != 1.0:
+            full.mul_(factor)
         work = self.reduce.start(output, full)
         reduction = _Reduction(bucket, work, output, slot, self._watch(work))
         self._inflight.append(reduction)
