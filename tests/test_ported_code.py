@@ -463,3 +463,31 @@ def test_a_plain_loss_backward_trains_as_engine_backward_as_in_deepspeed() -> No
         assert out["plain"] and out["scaled"]  # bit-identical, accumulation 2 and clipping included
         assert "engine.scale(loss).backward()" in out["unscaled_fp16"]
         assert out["fp16_scaled"]
+
+
+def gradients_landed(rank: int, world: int) -> dict:
+    """After a plain loss.backward(), allreduce_gradients() lands the pass: the reduced shards are there
+    to read before step(), as after engine.backward()."""
+    config = {**CONFIG, "gradient_accumulation_steps": 2}
+    x, y = models.batches("x8", 1, 6 * world)[0]
+    grads = {}
+    for how in ("engine", "plain"):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine = zero3.initialize(model=model, config=config)[0]
+        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+        if how == "engine":
+            engine.backward(loss)
+        else:
+            loss.backward()
+            engine.allreduce_gradients()
+        grads[how] = [zero3.safe_get_local_grad(p).clone() for p in model.parameters()]
+        engine.allreduce_gradients()  # nothing left to land: a no-op
+        engine.destroy()
+    return {"same": all(torch.equal(a, b) for a, b in zip(grads["engine"], grads["plain"])),
+            "nonzero": all(bool(g.abs().sum() > 0) for g in grads["plain"])}
+
+
+def test_allreduce_gradients_lands_a_plain_backward_as_deepspeeds_does() -> None:
+    for out in run_ranks(2, gradients_landed):
+        assert out == {"same": True, "nonzero": True}

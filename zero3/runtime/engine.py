@@ -196,6 +196,16 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._next_collective = "step" if self.is_gradient_accumulation_boundary() else "forward"
         return loss
 
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """Land every gradient reduction of the backward pass now (DeepSpeed's method; collective).
+        engine.backward already ends with this; a plain `loss.backward()` leaves its pass open until
+        `step()`, and this ends it earlier (e.g. to read `safe_get_local_grad`). `bucket_size` is
+        DeepSpeed's and has no effect: buckets are `reduce_bucket_size`."""
+        self._check_alive()
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.allreduce_gradients {NO_OPTIMIZER}")
+        self.parts.backward.finish()
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the fp16 loss scale, for a plain `.backward()` (DeepSpeed's method): the
         gradients are then handled as engine.backward's are (see the Note on a plain loss.backward() in
