@@ -49,6 +49,12 @@ def test_auto_refuses_more_local_ranks_than_gpus(gpus, monkeypatch: pytest.Monke
         resolve_device()
 
 
+def test_an_indexed_cpu_is_the_cpu(gpus) -> None:
+    # accelerate's TrainingArguments.device is cpu:0 in a rank; the engine and Init must agree on one CPU.
+    gpus(0)
+    assert resolve_device("cpu:0") == torch.device("cpu") == resolve_device(torch.device("cpu", 0))
+
+
 def test_auto_without_cuda_is_the_cpu(gpus) -> None:
     gpus(0)
     assert resolve_device() == torch.device("cpu")

@@ -58,6 +58,8 @@ def _parse_device(value: object, what: str) -> torch.device:
         parsed = None
     if parsed is None or parsed.type not in _DEVICE_TYPES:
         raise DeviceChoiceError(f"{what}{value!r} is not a device zero3 runs on; expected 'cpu' or 'cuda' (or 'cuda:N')")
+    if parsed.type == "cpu":
+        return torch.device("cpu")  # an index means nothing there (accelerate hands out cpu:0)
     return parsed
 
 

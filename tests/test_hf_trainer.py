@@ -1,0 +1,169 @@
+"""zero3.integrations.hf.Zero3Trainer (issue 28) against the plain `transformers.Trainer`.
+
+A tiny LlamaForCausalLM built from a config (no download), an in-memory
+dataset read in order, accumulation 2, clipping, warmup then cosine, the
+Trainer's own AdamW with its decay / no-decay groups: the Zero3Trainer at
+world sizes 1 and 2 against the plain Trainer at world 1, on the same global
+batches. Each step's logged loss, grad norm and learning rate, the final
+weights and the evaluation loss must agree (losses rtol 1e-4, weights atol
+1e-5). `save_model`
+then a plain `from_pretrained` gives the trained engine's logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import zero3
+from tests.distributed import run_ranks
+
+GLOBAL_ROWS, ACCUMULATION, STEPS = 4, 2, 4
+CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+def tiny_llama() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    rows = torch.randint(0, 64, (GLOBAL_ROWS * ACCUMULATION * STEPS, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+
+
+def arguments(world: int, output_dir: str, **overrides: Any) -> Any:
+    options: dict[str, Any] = dict(
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, weight_decay=0.1,
+        warmup_steps=1, lr_scheduler_type="cosine", max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+        report_to=[], seed=0, use_cpu=True,
+    )
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+def in_order(trainer_class: type) -> type:
+    """The same class reading the dataset in order: the plain run and the zero3 runs see the same batches."""
+
+    class InOrder(trainer_class):  # type: ignore[valid-type, misc]
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def logged(trainer: Any) -> list[tuple[float, float, float]]:
+    return [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def plain_run(rank: int, world: int, output_dir: str) -> dict:
+    model = tiny_llama()
+    trainer = in_order(transformers.Trainer)(model=model, args=arguments(world, output_dir), train_dataset=dataset())
+    trainer.train()
+    return {"logged": logged(trainer), "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "eval_loss": trainer.evaluate(eval_dataset=dataset()[:8])["eval_loss"]}
+
+
+def zero3_run(rank: int, world: int, output_dir: str) -> dict:
+    from zero3.integrations.hf import Zero3Trainer
+
+    model = tiny_llama()
+    trainer = in_order(Zero3Trainer)(
+        model=model, args=arguments(world, output_dir), train_dataset=dataset(), zero3_config=CONFIG,
+    )
+    engine = trainer.engine
+    out: dict[str, Any] = {
+        "groups": [(len(g["params"]), g["weight_decay"]) for g in engine.optimizer.param_groups],
+        "clipping": engine.config.gradient_clipping,
+        "micro_batch": engine.train_micro_batch_size_per_gpu(),
+    }
+    trainer.train()
+    out["logged"] = logged(trainer)
+    out["weights"] = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    out["global_steps"] = engine.global_steps
+    out["eval_loss"] = trainer.evaluate(eval_dataset=dataset()[:8])["eval_loss"]
+    saved = Path(output_dir) / f"saved-{world}"
+    trainer.save_model(str(saved))
+    probe = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        out["logits"] = engine(input_ids=probe).logits
+    engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_ranks(1, plain_run, str(tmp_path_factory.mktemp("plain")))[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero3_trainer_trains_like_the_plain_trainer(world: int, plain: dict, tmp_path: Path) -> None:
+    results = run_ranks(world, zero3_run, str(tmp_path))
+    for out in results:
+        # The Trainer's AdamW groups (decay / no-decay), its clipping and micro-batch, filled from "auto".
+        assert [decay for _, decay in out["groups"]] == [0.1, 0.0] and sum(n for n, _ in out["groups"]) == 21
+        assert out["clipping"] == 0.5 and out["micro_batch"] == GLOBAL_ROWS // world
+        assert out["global_steps"] == STEPS  # one engine step per accumulation window, not per micro-batch
+        assert out["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-4)  # evaluate() runs on the engine
+        assert len(out["logged"]) == STEPS
+        for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(out["logged"], plain["logged"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-4)
+            assert norm == pytest.approx(ref_norm, rel=1e-4)  # the engine's pre-clip global norm
+            assert lr == pytest.approx(ref_lr, rel=1e-9)  # the Trainer's warmup + cosine drove the engine
+        for name, ref in plain["weights"].items():
+            torch.testing.assert_close(out["weights"][name], ref, rtol=0, atol=1e-5, msg=name)
+
+    # save_model: safetensors and config.json that a plain from_pretrained loads, giving the engine's logits.
+    saved = tmp_path / f"saved-{world}"
+    assert (saved / "model.safetensors").is_file()
+    assert json.loads((saved / "config.json").read_text())["model_type"] == "llama"
+    loaded = transformers.LlamaForCausalLM.from_pretrained(saved)
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.arange(16).view(1, 16)).logits
+    torch.testing.assert_close(logits, results[0]["logits"], rtol=0, atol=1e-5)
+
+
+def test_a_written_value_that_disagrees_with_the_arguments_is_named() -> None:
+    from zero3.integrations.hf_config import fill_from_training_arguments
+
+    args = arguments(1, "/tmp/unused")
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": "auto", "optimizer": {
+        "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-6, "weight_decay": "auto"}}}
+    with pytest.raises(ValueError) as info:
+        fill_from_training_arguments(config, args, world_size=1)
+    message = str(info.value)
+    assert "train_micro_batch_size_per_gpu=3 but TrainingArguments.per_device_train_batch_size=4" in message
+    assert "optimizer.params.eps=1e-06 but TrainingArguments.adam_epsilon=1e-08" in message
+    config.update(train_micro_batch_size_per_gpu=4)
+    config["optimizer"]["params"]["eps"] = "auto"
+    filled = fill_from_training_arguments(config, args, world_size=1, model=tiny_llama())
+    assert filled["gradient_clipping"] == 0.5
+    assert filled["optimizer"]["params"] == {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+    assert config["gradient_clipping"] == "auto"  # the caller's dict is left as it was
+
+
+def test_an_unfilled_auto_handed_to_initialize_names_the_key() -> None:
+    # The same template outside the Trainer: nothing fills "auto", and zero3 says which key is unfilled.
+    with pytest.raises(zero3.ConfigError, match="train_micro_batch_size_per_gpu"):
+        zero3.load_config(CONFIG)

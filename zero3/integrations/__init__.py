@@ -1,0 +1,1 @@
+"""Integrations with other libraries' training loops (`zero3.integrations.hf`: Hugging Face's Trainer)."""
