@@ -167,3 +167,40 @@ def test_an_unfilled_auto_handed_to_initialize_names_the_key() -> None:
     # The same template outside the Trainer: nothing fills "auto", and zero3 says which key is unfilled.
     with pytest.raises(zero3.ConfigError, match="train_micro_batch_size_per_gpu"):
         zero3.load_config(CONFIG)
+
+
+def resumed_run(rank: int, world: int, output_dir: str) -> dict:
+    """Train 4 steps saving a checkpoint at step 3; then a new Trainer resumes from checkpoint-3."""
+    from zero3.integrations.hf import Zero3Trainer
+
+    out: dict[str, Any] = {}
+    for how in ("through", "resumed"):
+        model = tiny_llama()
+        if how == "resumed":
+            torch.manual_seed(1234)  # a different state everywhere: what resumes must come from the checkpoint
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_()
+        args = arguments(world, f"{output_dir}/{how}", save_strategy="steps", save_steps=3)
+        trainer = in_order(Zero3Trainer)(model=model, args=args, train_dataset=dataset(), zero3_config=CONFIG)
+        trainer.train(resume_from_checkpoint=f"{output_dir}/through/checkpoint-3" if how == "resumed" else None)
+        out[how] = {
+            "logged": logged(trainer),
+            "weights": {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()},
+            "global_steps": trainer.engine.global_steps,
+        }
+        trainer.engine.destroy()
+    out["checkpoint"] = sorted(p.name for p in Path(f"{output_dir}/through/checkpoint-3").iterdir())
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_run_resumed_from_checkpoint_3_ends_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    for out in run_ranks(2, resumed_run, str(tmp_path)):
+        assert {"zero3", "trainer_state.json", "scheduler.pt", "model.safetensors"} <= set(out["checkpoint"])
+        through, resumed = out["through"], out["resumed"]
+        assert resumed["global_steps"] == through["global_steps"] == STEPS
+        # The Trainer's state brings the first three steps' logs back; the fourth is trained again, alike.
+        assert resumed["logged"] == through["logged"] and len(resumed["logged"]) == STEPS
+        for name, value in through["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), name  # bit-exact

@@ -20,6 +20,10 @@ group); nothing here poses as DeepSpeed. The engine takes the model's place:
 * **`save_model`** writes safetensors (`engine.save_16bit_model`: streamed, one
   parameter gathered at a time, rank 0 writes) and the model's `config.json`,
   which a plain `from_pretrained` loads.
+* **Checkpoints** (`save_strategy`): the engine's sharded checkpoint goes in
+  `checkpoint-N/zero3/` beside the Trainer's own state, and
+  `resume_from_checkpoint` restores it (masters, optimizer state, scheduler,
+  counters; the Trainer restores its state, RNG and data position).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from zero3.integrations.hf_config import fill_from_training_arguments
 from zero3.runtime.engine import ZeroEngine
 
 __all__ = ["Zero3Trainer"]
+
+ENGINE_TAG = "zero3"  # the engine's checkpoint, inside the Trainer's checkpoint-N/
 
 
 def _read_config(zero3_config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -154,6 +160,8 @@ class Zero3Trainer(Trainer):
             else:
                 self.create_scheduler(num_training_steps=max_steps, optimizer=torch_optimizer)
         self.model_wrapped = self.engine
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -212,3 +220,30 @@ class Zero3Trainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Inside the Trainer's `checkpoint-N/`: the engine's sharded checkpoint under `zero3/` (every rank
+        writes its pieces of the fp32 masters and optimizer state; no rank gathers the model) and the
+        scheduler's state (rank 0). The Trainer adds its own state and each rank's RNG state."""
+        self.engine.save_checkpoint(output_dir, tag=ENGINE_TAG)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The weights come back with the engine's checkpoint (`_load_optimizer_and_scheduler`); this
+        only checks there is one, before the Trainer goes on."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_TAG)):
+            raise ValueError(
+                f"{resume_from_checkpoint} holds no zero3 checkpoint (no {ENGINE_TAG}/ in it): resume from a "
+                "checkpoint-N directory a Zero3Trainer saved"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(checkpoint, tag=ENGINE_TAG)  # weights, optimizer state, counters
+        scheduler_file = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
