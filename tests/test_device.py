@@ -117,6 +117,23 @@ def test_an_existing_gloo_group_means_the_cpu_even_with_gpus() -> None:
         assert "backend 'gloo'" in result["mismatch"] and "cuda" in result["mismatch"]
 
 
+def group_without_a_named_backend(rank: int, world: int) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.pop("ZERO3_ACCELERATOR", None)
+    dist.init_process_group(backend=None)  # as accelerate makes it on a machine without a GPU
+    out = {"named": dist.get_backend(), "by_group": str(resolve_device()), "explicit": str(resolve_device("cpu"))}
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_group_made_without_naming_its_backend_serves_the_cpu() -> None:
+    for result in run_ranks(2, group_without_a_named_backend):
+        assert result == {"named": "undefined", "by_group": "cpu", "explicit": "cpu"}
+
+
 def init_and_initialize_agree(rank: int, world: int) -> dict:
     import os
 

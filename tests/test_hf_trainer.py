@@ -204,3 +204,28 @@ def test_a_run_resumed_from_checkpoint_3_ends_as_the_uninterrupted_one(tmp_path:
         assert resumed["logged"] == through["logged"] and len(resumed["logged"]) == STEPS
         for name, value in through["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name  # bit-exact
+
+
+@pytest.mark.timeout(300)
+def test_the_example_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
+    """examples/hf_trainer.py as its docstring launches it: two ranks under torchrun, then a resume."""
+    import subprocess
+    import sys
+
+    from tests.distributed import script_env
+
+    repo = Path(__file__).resolve().parents[1]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(repo / "examples" / "hf_trainer.py"), "--out", str(tmp_path), "--seq-len", "32", "--micro-batch", "2",
+           "--save-steps", "2"]
+    first = subprocess.run([*run, "--steps", "2"], capture_output=True, text=True, timeout=240, cwd=repo,
+                           env=script_env(str(repo)))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "checkpoint-2" / "zero3").is_dir() and (tmp_path / "model.safetensors").is_file()
+    resumed = subprocess.run([*run, "--steps", "3", "--resume", str(tmp_path / "checkpoint-2")], capture_output=True,
+                             text=True, timeout=240, cwd=repo, env=script_env(str(repo)))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and len([h for h in state["log_history"] if "loss" in h]) == 3
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.num_hidden_layers == 2

@@ -78,7 +78,14 @@ def _from_environment() -> tuple[torch.device | None, str]:
 
 def _group_backend() -> str | None:
     """The default process group's backend ("gloo", "nccl", "cpu:gloo,cuda:nccl"), if one exists."""
-    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = str(dist.get_backend())
+    if backend == "undefined":
+        # A group made with backend=None (accelerate's, on a machine without a GPU) names its backends
+        # per device type only in its config: "cpu:gloo" (and "cuda:nccl" where CUDA is built in).
+        backend = str(dist.get_backend_config())
+    return backend
 
 
 def _from_process_group() -> tuple[torch.device | None, str]:
