@@ -46,7 +46,7 @@ import zero3
 from zero3.integrations.hf_config import fill_from_training_arguments
 from zero3.runtime.engine import ZeroEngine
 
-__all__ = ["Zero3Trainer"]
+__all__ = ["Zero3Trainer", "Zero3TrainerMixin"]
 
 ENGINE_TAG = "zero3"  # the engine's checkpoint, inside the Trainer's checkpoint-N/
 
@@ -110,11 +110,14 @@ class _EngineOptimizer:
         """Schedule-free optimizers' mode switch: not used by the engine's optimizers."""
 
 
-class Zero3Trainer(Trainer):
-    """A `transformers.Trainer` that trains on a zero3 engine; `zero3_config` is DeepSpeed's format (a dict or a
-    JSON path) and may hold Hugging Face's `"auto"` values. Every other argument is the Trainer's."""
+class Zero3TrainerMixin:
+    """Makes a `transformers.Trainer` subclass train on a zero3 engine: `class MySFT(Zero3TrainerMixin,
+    trl.SFTTrainer)`. Construction takes `zero3_config=` (DeepSpeed's format, a dict or a JSON path, Hugging
+    Face's `"auto"` values allowed) beside the trainer's own arguments."""
 
     def __init__(self, *args: Any, zero3_config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) -> None:
+        if not isinstance(self, Trainer):
+            raise TypeError(f"{type(self).__name__}: Zero3TrainerMixin goes before a transformers.Trainer subclass")
         missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
         if missing:
             raise ImportError(
@@ -247,3 +250,7 @@ class Zero3Trainer(Trainer):
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
+
+class Zero3Trainer(Zero3TrainerMixin, Trainer):
+    """A `transformers.Trainer` that trains on a zero3 engine; `zero3_config` is DeepSpeed's format (a dict or a
+    JSON path) and may hold Hugging Face's `"auto"` values. Every other argument is the Trainer's."""
