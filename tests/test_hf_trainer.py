@@ -161,6 +161,9 @@ def test_a_written_value_that_disagrees_with_the_arguments_is_named() -> None:
     assert filled["gradient_clipping"] == 0.5
     assert filled["optimizer"]["params"] == {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
     assert config["gradient_clipping"] == "auto"  # the caller's dict is left as it was
+    assert "bf16" not in filled and "fp16" not in filled
+    # A config silent on precision follows the arguments' bf16 / fp16, as accelerate's DeepSpeed plugin does.
+    assert fill_from_training_arguments({}, arguments(1, "/tmp/unused", bf16=True), 1)["bf16"] == {"enabled": True}
 
 
 def test_an_unfilled_auto_handed_to_initialize_names_the_key() -> None:
@@ -259,6 +262,7 @@ def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
         gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, warmup_steps=1,
         max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=16,
+        bf16=False,  # SFTConfig's default is bf16: fp32 on both sides, to compare within float32 rounding
     )
     if on_zero3:
         class SFT(Zero3TrainerMixin, trl.SFTTrainer):  # what the issue's users write
@@ -284,6 +288,4 @@ def test_trls_sft_trainer_trains_on_zero3_through_the_mixin(tmp_path: Path) -> N
         assert out["steps"] == STEPS and len(out["logged"]) == STEPS
         for (loss, norm), (ref_loss, ref_norm) in zip(out["logged"], plain["logged"]):
             assert loss == pytest.approx(ref_loss, rel=1e-4)
-            # TRL's fused LM head: its first forward already differs from the plain run's by ~1e-5 (the
-            # same at world 1), and Adam carries that into the norms (up to 3e-4 measured).
-            assert norm == pytest.approx(ref_norm, rel=1e-3)
+            assert norm == pytest.approx(ref_norm, rel=1e-4)

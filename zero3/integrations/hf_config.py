@@ -94,6 +94,9 @@ def fill_from_training_arguments(
     fill.match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     fill.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16")
     fill.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16")
+    if "bf16" not in filled and "fp16" not in filled and (args.bf16 or args.fp16):
+        # A config silent on precision follows the arguments, as accelerate's DeepSpeed plugin makes it.
+        filled["bf16" if args.bf16 else "fp16"] = {"enabled": True}
     hidden = hidden_size_of(model)
     if hidden is not None:
         fill.only("zero_optimization.reduce_bucket_size", hidden * hidden)
