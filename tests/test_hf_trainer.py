@@ -289,3 +289,69 @@ def test_trls_sft_trainer_trains_on_zero3_through_the_mixin(tmp_path: Path) -> N
         for (loss, norm), (ref_loss, ref_norm) in zip(out["logged"], plain["logged"]):
             assert loss == pytest.approx(ref_loss, rel=1e-4)
             assert norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def preference_dataset() -> Any:
+    import datasets
+
+    words = torch.randint(0, 62, (GLOBAL_ROWS * ACCUMULATION * STEPS, 3, 5), generator=torch.Generator().manual_seed(2))
+
+    def text(row: torch.Tensor) -> str:
+        return " ".join(f"t{int(i)}" for i in row)
+
+    return datasets.Dataset.from_dict({
+        "prompt": [text(w[0]) for w in words], "chosen": [text(w[1]) for w in words],
+        "rejected": [text(w[2]) for w in words],
+    })
+
+
+def dpo_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
+    import trl
+
+    from zero3.integrations.hf import Zero3TrainerMixin
+
+    model, reference = tiny_llama(), tiny_llama()
+    for m in (model, reference):
+        m.config.pad_token_id, m.config.eos_token_id = 0, 1
+    args = trl.DPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, warmup_steps=1,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, bf16=False,
+        max_length=16,
+    )
+    base = trl.DPOTrainer
+    if on_zero3:
+        class DPO(Zero3TrainerMixin, trl.DPOTrainer):
+            pass
+
+        base = DPO
+    kwargs = {"zero3_config": CONFIG} if on_zero3 else {}
+    trainer = in_order(base)(model=model, ref_model=reference, args=args, train_dataset=preference_dataset(),
+                             processing_class=word_tokenizer(), **kwargs)
+    trainer.train()
+    out: dict[str, Any] = {"logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]}
+    if on_zero3:
+        ref_engine = trainer.ref_engine
+        out["reference"] = {
+            "is_engine": trainer.ref_model is ref_engine, "optimizer": ref_engine.optimizer,
+            "trainable": sum(p.requires_grad for p in reference.parameters()),
+            "state": ref_engine.model_state_bytes(),
+        }
+        trainer.engine.destroy()
+        ref_engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_trls_dpo_trainer_trains_on_zero3_with_a_partitioned_frozen_reference(tmp_path: Path) -> None:
+    (plain,) = run_ranks(1, dpo_run, str(tmp_path / "plain"), False)
+    for out in run_ranks(2, dpo_run, str(tmp_path / "zero3"), True):
+        reference = out["reference"]
+        assert reference["is_engine"] and reference["optimizer"] is None and reference["trainable"] == 0
+        state = reference["state"]  # its 16-bit shards (and persistent small parameters), nothing for a step
+        assert state["hp_params"] == state["optim_states"] == state["lp_grads"] == state["contiguous_grad_buffer"] == 0
+        assert state["lp_params"] > 0
+        assert len(out["logged"]) == STEPS
+        for (loss, norm), (ref_loss, ref_norm) in zip(out["logged"], plain["logged"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-4)
+            assert norm == pytest.approx(ref_norm, rel=1e-4)

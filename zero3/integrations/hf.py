@@ -141,6 +141,15 @@ class Zero3TrainerMixin:
         )[0]
         self.model_wrapped = self.engine
         self.optimizer = _EngineOptimizer(self.engine) if self.engine.optimizer is not None else None
+        self.ref_engine: ZeroEngine | None = None
+        reference = getattr(self, "ref_model", None)
+        if isinstance(reference, nn.Module):
+            # TRL's reference model (DPO, KTO...): partitioned like the policy, frozen, no optimizer state.
+            reference = self.accelerator.unwrap_model(reference)
+            reference.requires_grad_(False)
+            reference_config = {key: value for key, value in engine_config.items() if key != "optimizer"}
+            self.ref_engine = zero3.initialize(model=reference, config=reference_config, device=self.args.device)[0]
+            self.ref_model = self.ref_engine
 
     # ---- training ---------------------------------------------------------------
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
