@@ -22,6 +22,7 @@ import transformers
 
 import zero3
 from tests.distributed import run_ranks
+from tests.memory import peak_extra_bytes
 
 GLOBAL_ROWS, ACCUMULATION, STEPS = 4, 2, 4
 CONFIG = {
@@ -355,3 +356,64 @@ def test_trls_dpo_trainer_trains_on_zero3_with_a_partitioned_frozen_reference(tm
         for (loss, norm), (ref_loss, ref_norm) in zip(out["logged"], plain["logged"]):
             assert loss == pytest.approx(ref_loss, rel=1e-4)
             assert norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def load_partitioned(rank: int, world: int, path: str, warm_up: str) -> dict:
+    from zero3.integrations.hf import from_pretrained
+
+    from_pretrained(transformers.LlamaForCausalLM, warm_up, zero3_config=CONFIG)  # imports, process group, threads
+    loaded: list[Any] = []
+    before = _rss_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+    peak = peak_extra_bytes(lambda: loaded.append(
+        from_pretrained(transformers.LlamaForCausalLM, path, zero3_config=CONFIG)))["all"]
+    rss_peak = _rss_bytes("VmHWM") - before
+    (model,) = loaded
+    engine = zero3.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3}})[0]
+    probe = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits
+    with zero3.GatheredParameters(list(model.parameters())):
+        full = {name: p.detach().clone() for name, p in model.named_parameters()} if rank == 0 else {}
+    engine.destroy()
+    return {"peak": peak, "rss_peak": rss_peak, "logits": logits, "full": full}
+
+
+@pytest.mark.timeout(300)
+def test_from_pretrained_streams_the_checkpoint_into_the_partitions(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32)
+    source = transformers.LlamaForCausalLM(config)
+    source.save_pretrained(tmp_path, max_shard_size="10MB")  # sharded, with an index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    full_bytes = sum(p.numel() * p.element_size() for p in source.parameters())
+    with torch.no_grad():
+        expected = source(input_ids=torch.arange(16).view(1, 16)).logits
+
+    warm_up = tmp_path / "tiny"
+    tiny_llama().save_pretrained(warm_up)
+    world = 4
+    results = run_ranks(world, load_partitioned, str(tmp_path), str(warm_up))
+    for name, value in source.named_parameters():
+        assert torch.equal(results[0]["full"][name], value), name
+    for out in results:
+        torch.testing.assert_close(out["logits"], expected, rtol=0, atol=1e-5)
+    peaks = [out["peak"] for out in results]
+    print(f"\nfrom_pretrained, {full_bytes / 2**20:.0f} MiB model at world {world} (a rank's share "
+          f"{full_bytes / world / 2**20:.0f} MiB, the largest tensor 8 MiB): peak tensor bytes per rank "
+          f"{', '.join(f'{peak / 2**20:.0f}' for peak in peaks)} MiB; peak RSS growth "
+          f"{', '.join(str(out['rss_peak'] // 2**20) for out in results)} MiB")
+    # Its shards plus the module being built (its parameters, flattened and broadcast) and a slice of
+    # the tensor being read: never the model. RSS is printed, not asserted: glibc's thread arenas keep
+    # freed blocks in a way that varies run to run.
+    largest = max(p.numel() * p.element_size() for p in source.parameters())
+    assert max(peaks) <= full_bytes / world + 2 * largest + 4 * 2**20 < 0.5 * full_bytes

@@ -44,9 +44,10 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 import zero3
 from zero3.integrations.hf_config import fill_from_training_arguments
+from zero3.integrations.hf_loading import from_pretrained
 from zero3.runtime.engine import ZeroEngine
 
-__all__ = ["Zero3Trainer", "Zero3TrainerMixin"]
+__all__ = ["Zero3Trainer", "Zero3TrainerMixin", "from_pretrained"]
 
 ENGINE_TAG = "zero3"  # the engine's checkpoint, inside the Trainer's checkpoint-N/
 

@@ -80,7 +80,12 @@ class ShardedParam:
 
     def write_full(self, full: torch.Tensor) -> None:
         """Store a new full value: this rank's shard goes to the 16-bit slot and the master."""
-        shard = self.shard_of(full.detach())
+        self.write_shard(self.shard_of(full.detach()))
+
+    def write_shard(self, shard: torch.Tensor) -> None:
+        """Store this rank's shard (`shard_numel` elements, zero padded) of a new value, everywhere it lives."""
+        if shard.numel() != self.shard_numel:
+            raise ValueError(f"{self.name}: a shard of {shard.numel()} elements, expected {self.shard_numel}")
         assert self.lp_slot is not None
         self.lp_slot.write(shard)
         for follower in self.followers:
