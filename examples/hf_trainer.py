@@ -8,7 +8,7 @@ zero3's built-in character corpus.
 
     python examples/hf_trainer.py --out /tmp/hf-run                           # a world of one
     torchrun --nproc_per_node 2 examples/hf_trainer.py --out /tmp/hf-run      # two ranks
-    accelerate launch --num_processes 2 examples/hf_trainer.py --out /tmp/hf-run
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --out /tmp/hf-run
 
 The output directory ends with `model.safetensors` and `config.json` (a plain `from_pretrained` loads
 them) and `checkpoint-N/` directories that `--resume` continues from, bit-exactly.

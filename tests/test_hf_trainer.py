@@ -212,23 +212,32 @@ def test_a_run_resumed_from_checkpoint_3_ends_as_the_uninterrupted_one(tmp_path:
 
 @pytest.mark.timeout(300)
 def test_the_example_runs_under_torchrun_and_resumes(tmp_path: Path) -> None:
-    """examples/hf_trainer.py as its docstring launches it: two ranks under torchrun, then a resume."""
+    """examples/hf_trainer.py as its docstring launches it: two ranks under torchrun, then resumed under
+    `accelerate launch`."""
     import subprocess
     import sys
 
     from tests.distributed import script_env
 
     repo = Path(__file__).resolve().parents[1]
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(repo / "examples" / "hf_trainer.py"), "--out", str(tmp_path), "--seq-len", "32", "--micro-batch", "2",
-           "--save-steps", "2"]
-    first = subprocess.run([*run, "--steps", "2"], capture_output=True, text=True, timeout=240, cwd=repo,
+    script = [str(repo / "examples" / "hf_trainer.py"), "--out", str(tmp_path), "--seq-len", "32", "--micro-batch", "2",
+              "--save-steps", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script]
+    # --multi_gpu is accelerate's multi-process launcher (torchrun's); without a GPU the ranks run on the CPU.
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", *script]
+    first = subprocess.run([*torchrun, "--steps", "2"], capture_output=True, text=True, timeout=240, cwd=repo,
                            env=script_env(str(repo)))
     assert first.returncode == 0, first.stdout + first.stderr
     assert (tmp_path / "checkpoint-2" / "zero3").is_dir() and (tmp_path / "model.safetensors").is_file()
-    resumed = subprocess.run([*run, "--steps", "3", "--resume", str(tmp_path / "checkpoint-2")], capture_output=True,
-                             text=True, timeout=240, cwd=repo, env=script_env(str(repo)))
+    resumed = subprocess.run([*accelerate, "--steps", "3", "--resume", str(tmp_path / "checkpoint-2")],
+                             capture_output=True, text=True, timeout=240, cwd=repo, env=script_env(str(repo)))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # Two processes under each launcher: each rank wrote its own piece of the engine's checkpoint.
+    for step in (2, 3):
+        assert sorted(p.name for p in (tmp_path / f"checkpoint-{step}" / "zero3").glob("*.distcp")) == [
+            "__0_0.distcp", "__1_0.distcp"]
     state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and len([h for h in state["log_history"] if "loss" in h]) == 3
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
