@@ -1039,6 +1039,22 @@ def _auto_values(data: Any, path: str = "") -> list[str]:
     return [path] if data == "auto" else []
 
 
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON config file's object, unvalidated (ConfigError naming the file if it cannot be read as one)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a JSON object (got {type(data).__name__})")
+    return data
+
+
 def load_config(config: dict[str, Any] | str | os.PathLike[str] | Zero3Config) -> Zero3Config:
     """Build a validated ``Zero3Config`` from a dict, a JSON file path, or a config.
 
@@ -1048,19 +1064,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str] | Zero3Config) -
     if isinstance(config, Zero3Config):
         return config
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"config file {str(path)!r} must hold a JSON object (got {type(data).__name__})"
-            )
+        data = read_config_file(config)
     elif isinstance(config, dict):
         # Deep copy: validation must never alias or alter the caller's nested dicts.
         data = copy.deepcopy(config)

@@ -28,9 +28,7 @@ group); nothing here poses as DeepSpeed. The engine takes the model's place:
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +41,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("zero3.integrations.hf needs transformers and accelerate: pip install 'zero3[hf]'") from error
 
 import zero3
+from zero3.config import read_config_file
 from zero3.integrations.hf_config import fill_from_training_arguments
 from zero3.integrations.hf_loading import from_pretrained
 from zero3.runtime.engine import ZeroEngine
@@ -56,16 +55,7 @@ def _read_config(zero3_config: dict[str, Any] | str | os.PathLike[str]) -> dict[
     if isinstance(zero3_config, dict):
         return zero3_config
     if isinstance(zero3_config, (str, os.PathLike)):
-        path = Path(zero3_config)
-        try:
-            loaded = json.loads(path.read_text())
-        except OSError as error:
-            raise ValueError(f"zero3_config: cannot read {path}: {error}") from error
-        except json.JSONDecodeError as error:
-            raise ValueError(f"zero3_config: {path} is not JSON: {error}") from error
-        if not isinstance(loaded, dict):
-            raise ValueError(f"zero3_config: {path} holds a {type(loaded).__name__}, expected a JSON object")
-        return loaded
+        return read_config_file(zero3_config)
     raise TypeError(f"zero3_config must be a dict or a path to a JSON file, got {type(zero3_config).__name__}")
 
 
