@@ -158,7 +158,10 @@ def _read_shard(slot: Slot, into: torch.Tensor) -> None:
         buffer.read_into(slot.offset, into)  # from memory, or from its file straight into its place
         return
     step = max(1, STAGING_BYTES // buffer.dtype.itemsize)  # a cast, or a device: through bounded host pieces
+    # One staging piece, reused: a fresh one per piece could be made before the reader thread had let go
+    # of the last (two pieces alive now and then: the flaky 4x in test_full_params' memory bound).
+    staging = torch.empty(min(step, slot.numel), dtype=buffer.dtype)
     for start in range(0, slot.numel, step):
-        staging = torch.empty(min(step, slot.numel - start), dtype=buffer.dtype)
-        buffer.read_into(slot.offset + start, staging)
-        into[start : start + staging.numel()].copy_(staging)
+        piece = staging[: min(step, slot.numel - start)]
+        buffer.read_into(slot.offset + start, piece)
+        into[start : start + piece.numel()].copy_(piece)
