@@ -159,10 +159,11 @@ class EngineParts:
 
 def build(
     model: nn.Module, config: Zero3Config, comm: Communicator, gather: ParamGather, device: torch.device,
-    model_parameters: Iterable[Any] | None, rank: int, spec: OptimizerSpec | None,
+    model_parameters: Iterable[Any] | None, rank: int, spec: OptimizerSpec | None, gradient_accumulation_steps: int,
 ) -> EngineParts:
     """Partition `model` and build every part around it, wired (see the Note); `spec` is the
-    optimizer (from the config or the client's), None for an engine that does not train."""
+    optimizer (from the config or the client's), None for an engine that does not train;
+    `gradient_accumulation_steps` the engine's resolved count (a plain loss.backward() divides by it)."""
     zc = config.zero_optimization
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
@@ -234,7 +235,7 @@ def build(
     )
     backward = BackwardPass(
         units, persistent_unit, coordinator, reducer, grads, device,
-        config.resolve_batch(gather.mesh.world_size).gradient_accumulation_steps if spec is not None else 1, loss_scaler,
+        gradient_accumulation_steps, loss_scaler,
     )
     coordinator.install()
     if persistent_unit is not None:

@@ -91,7 +91,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             spec = None
 
         comm.open_side_groups()
-        self.parts = build(model, config, comm, self.gather, device, model_parameters, self.global_rank, spec)
+        self.parts = build(
+            model, config, comm, self.gather, device, model_parameters, self.global_rank, spec,
+            self.batch.gradient_accumulation_steps,
+        )
         parts = self.parts
         self.units, self.persistent_unit, self.sharded_params = parts.units, parts.persistent_unit, parts.sharded_params
         self.disk, self.host_pool, self.lp_buffers, self.param_disk = (

@@ -28,8 +28,8 @@ class BackwardPass:
         reducer: GradientReducer,
         grads: GradShards | None,
         device: torch.device,
-        gradient_accumulation_steps: int = 1,
-        loss_scaler: LossScaler | DynamicLossScaler | None = None,
+        gradient_accumulation_steps: int,
+        loss_scaler: LossScaler | DynamicLossScaler,
     ) -> None:
         self.units = units
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -81,7 +81,7 @@ class BackwardPass:
         scale = 1.0
         if plain:
             manually_scaled, self.manually_scaled = self.manually_scaled, False
-            if self.loss_scaler is not None and self.loss_scaler.loss_scale != 1.0 and not manually_scaled:
+            if self.loss_scaler.loss_scale != 1.0 and not manually_scaled:
                 raise RuntimeError(
                     "fp16 loss scaling needs the loss scaled before backward, and loss.backward() was called on an "
                     "unscaled loss: call engine.backward(loss), or engine.scale(loss).backward()"
