@@ -44,9 +44,10 @@ import zero3
 from zero3.config import read_config_file
 from zero3.integrations.hf_config import fill_from_training_arguments
 from zero3.integrations.hf_loading import from_pretrained
+from zero3.integrations.hf_resize import resize_token_embeddings
 from zero3.runtime.engine import ZeroEngine
 
-__all__ = ["Zero3Trainer", "Zero3TrainerMixin", "from_pretrained"]
+__all__ = ["Zero3Trainer", "Zero3TrainerMixin", "from_pretrained", "resize_token_embeddings"]
 
 ENGINE_TAG = "zero3"  # the engine's checkpoint, inside the Trainer's checkpoint-N/
 
