@@ -38,6 +38,7 @@ runs on a CUDA machine (``--device cuda``, or auto: nccl, one GPU per rank).
     python benchmarks/step_time.py                 # defaults: about 1-2 minutes
     python benchmarks/step_time.py --profile       # also cProfile rank 0 of zero3
     python benchmarks/step_time.py --breakdown     # also torch.profiler: how zero3's step splits
+    python benchmarks/step_time.py --memory        # also where each engine's resident memory goes
     python benchmarks/step_time.py --engines zero3,fsdp2,deepspeed,ddp --n-layer 6 --n-embd 512 --rounds 5
     python benchmarks/step_time.py --engines zero3,deepspeed --offload-optimizer cpu --precision fp32 \
         --n-layer 8 --n-embd 512                   # ZeRO-Offload against DeepSpeed's (where it imports)
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import ctypes
 import io
 import json
 import logging
@@ -138,6 +140,47 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
         return 0
     local = t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
     return local.numel() * local.element_size()
+
+
+# ------------------------------------------------------------ where memory goes
+
+# glibc's malloc statistics (all arenas): `uordblks` bytes in use from the arenas, `fordblks` bytes free
+# in them (kept by the allocator, mostly still resident), `hblkhd` bytes in blocks it mmapped apart (large
+# allocations: returned to the system when freed).
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):  # not glibc (or older than 2.33): RSS and threads only
+        return None
+
+
+_LIBC = _libc()
+
+
+def memory_snapshot() -> dict[str, int]:
+    """This process's resident memory and what glibc's allocator holds, at one moment (Linux)."""
+    snapshot: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                snapshot[key] = int(value.split()[0]) * 1024
+            elif key == "Threads":
+                snapshot[key] = int(value)
+    except OSError:
+        pass
+    if _LIBC is not None:
+        info = _LIBC.mallinfo2()
+        snapshot.update(heap_in_use=info.uordblks, heap_free=info.fordblks, mmapped=info.hblkhd)
+    return snapshot
 
 
 # ------------------------------------------------------------------ the engines
@@ -299,13 +342,16 @@ def _build(job: Job):
 def worker(job: Job) -> dict[str, Any]:
     """Runs in every spawned process (module level, so it can be pickled)."""
     torch.set_num_threads(1)
+    memory = {"imported": memory_snapshot()}
     device = _device(job)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    memory["process group"] = memory_snapshot()
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = CharTokenizer(load_corpus()).encode(load_corpus())
     step, state_bytes, close = _build(job)
+    memory["built"] = memory_snapshot()
 
     generator = torch.Generator()
     rows = job.micro_batch
@@ -338,6 +384,9 @@ def worker(job: Job) -> dict[str, Any]:
         losses.append(float(loss))
         if timed:
             times.append(elapsed)
+        if i == 0:
+            memory["first step"] = memory_snapshot()
+    memory["last step"] = memory_snapshot()
 
     if job.trace_out and rank == 0:
         _trace(job, step, tokens, device, world)
@@ -356,6 +405,7 @@ def worker(job: Job) -> dict[str, Any]:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "breakdown": breakdown,
+        "memory": memory,
     }
 
 
@@ -513,6 +563,7 @@ def summarize(per_rank: dict[int, dict[str, Any]], tokens_per_step: int) -> dict
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
         "peak_device_bytes": peak_device if any(b is not None for b in peak_device) else None,
         "breakdown": ranks[0].get("breakdown"),
+        "memory": [r.get("memory") for r in ranks],
     }
 
 
@@ -584,6 +635,40 @@ def print_report(results: dict[str, Any], console: Any) -> None:
             console.print(f"{name} rank 0, ms per profiled step (torch.profiler inflates it): {parts}")
 
 
+MEMORY_PHASES = ("imported", "process group", "built", "first step", "last step")
+
+
+def print_memory(results: dict[str, Any], console: Any) -> None:
+    """Where each engine's resident memory goes, from its last run's rank with the highest peak RSS: RSS
+    after each phase, then at the last step what glibc's heap holds in use and free (kept, not returned),
+    what it mmapped apart, the threads, and the model state's own bytes."""
+    from rich.table import Table
+
+    phases = Table(title="Resident memory (MiB) after each phase: the rank with the highest peak, last run")
+    phases.add_column("engine")
+    for column in (*MEMORY_PHASES, "peak"):
+        phases.add_column(column, justify="right")
+    held = Table(title="At the last step (MiB): glibc's heap, threads, and the model state's bytes")
+    for column in ("engine", "RSS", "heap in use", "heap free, kept", "mmapped apart", "threads",
+                   "model state", "RSS - state"):
+        held.add_column(column, justify="left" if column == "engine" else "right")
+    for name, res in results["engines"].items():
+        if "error" in res or not res.get("memory") or not res["memory"][0]:
+            continue
+        worst = max(range(len(res["peak_rss_bytes"])), key=lambda r: res["peak_rss_bytes"][r])
+        memory = res["memory"][worst]
+        phases.add_row(name, *[_mib(memory[p]["VmRSS"]) if p in memory else "-" for p in MEMORY_PHASES],
+                       _mib(res["peak_rss_bytes"][worst]))
+        last = memory["last step"]
+        state = res["model_state_bytes"][worst].get("total")
+        held.add_row(name, _mib(last["VmRSS"]), _mib(last.get("heap_in_use", 0)), _mib(last.get("heap_free", 0)),
+                     _mib(last.get("mmapped", 0)), str(last.get("Threads", "-")),
+                     _mib(state) if state is not None else "-",
+                     _mib(last["VmRSS"] - state) if state is not None else "-")
+    console.print(phases)
+    console.print(held)
+
+
 def ratios(engines: dict[str, Any]) -> dict[str, float]:
     """zero3's (and zero3-persist0's) step time and peak memory over every other engine's."""
     out: dict[str, float] = {}
@@ -649,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="directory: rank 0 of each engine's first run profiles 5 extra steps (CPU and CUDA ops)"
                         " and writes <engine>_trace.txt there")
+    p.add_argument("--memory", action="store_true",
+                   help="also print where each engine's resident memory goes (RSS after each phase; glibc's heap "
+                   "in use and kept free, threads, the model state's bytes)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile rank 0 of the 'zero3' run over its timed steps and print the "
                    "hotspots (its timings are then inflated by the profiler)")
@@ -762,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     results["ratios"] = ratios(results["engines"])
 
     print_report(results, console)
+    if args.memory:
+        print_memory(results, console)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     console.print(f"results written to {args.out}")
     if args.profile and "zero3" in engines and Path(profile_path).exists():
