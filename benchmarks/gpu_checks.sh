@@ -9,6 +9,8 @@
 #   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 vs FSDP2 and DeepSpeed's
 #   profile  --breakdown of zero3 and DDP at 113M (torch.profiler: where the step goes)
 #   offload  gpu_offload.py at 1.27B, plain pinned allocation and registered pages
+#   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
+#            FSDP2 (accelerate's own) and DeepSpeed
 # Logs and JSON go to $OUT (or /tmp/gpu_checks) when set.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_checks}
@@ -43,6 +45,13 @@ for phase in "$@"; do
       python3 benchmarks/gpu_offload.py --out "$out/offload_plain.json" 2>&1 | tail -8
       PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
         python3 benchmarks/gpu_offload.py --out "$out/offload_registered.json" 2>&1 | tail -8 ;;
+    hf)
+      torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out "$out/hf-run" --steps 20 --bf16 2>&1 \
+        | tee "$out/hf_example.log" | tail -4
+      torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out "$out/hf-run" --steps 30 --bf16 \
+        --resume "$out/hf-run/checkpoint-20" 2>&1 | tee -a "$out/hf_example.log" | tail -4
+      python3 benchmarks/hf_trainer.py --world 1 --rounds ${ROUNDS:-2} --engines "$engines" --hidden 1024 --layers 8 \
+        --out "$out/hf_trainer.json" 2>&1 | tee "$out/hf_trainer.log" | tail -12 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

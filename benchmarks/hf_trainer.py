@@ -78,7 +78,7 @@ def worker(options: argparse.Namespace) -> None:
     args = transformers.TrainingArguments(
         output_dir=options.scratch, per_device_train_batch_size=options.micro_batch, max_steps=options.steps,
         learning_rate=1e-3, max_grad_norm=1.0, logging_steps=options.steps, save_strategy="no", report_to=[],
-        seed=0, use_cpu=True, disable_tqdm=True, **extra,
+        seed=0, use_cpu=not on_gpu, disable_tqdm=True, **extra,
     )
     step_times: list[float] = []
     rank = int(os.environ.get("RANK", "0"))
@@ -204,6 +204,12 @@ def profile_summary(path: str, steps: int, top: int) -> dict[str, Any]:
                     for tottime, calls, where in functions[:top]]}
 
 
+def _device_label() -> str:
+    import torch
+
+    return f"CUDA, nccl: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "CPU, gloo"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default=",".join(ENGINES))
@@ -245,7 +251,7 @@ def main() -> None:
                       "runs": len(results)}
              for engine, results in runs.items() if results}
     print(f"\nHugging Face Trainer, Llama hidden {options.hidden} x {options.layers} layers, seq {options.seq_len}, "
-          f"micro-batch {options.micro_batch}, world {options.world} (CPU, gloo), median of {options.rounds} rounds")
+          f"micro-batch {options.micro_batch}, world {options.world} ({_device_label()}), median of {options.rounds} rounds")
     print(f"{'engine':10} {'s/step':>8} {'peak RSS MiB':>13} {'params held':>12} {'zero3 time ratio':>17} "
           f"{'zero3 RSS ratio':>16}")
     base = table.get("zero3")
