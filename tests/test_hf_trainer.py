@@ -261,6 +261,17 @@ def text_dataset() -> Any:
     return datasets.Dataset.from_dict({"text": [" ".join(f"t{int(i)}" for i in row) for row in rows]})
 
 
+def train_and_log(trainer: Any, keys: tuple[str, ...], on_zero3: bool) -> dict:
+    """Train; the logged values under `keys` at each logged step, and under zero3 the engine's step count
+    (the engine is then destroyed)."""
+    trainer.train()
+    out: dict[str, Any] = {"logged": [tuple(h[key] for key in keys) for h in trainer.state.log_history if "loss" in h]}
+    if on_zero3:
+        out["steps"] = trainer.engine.global_steps
+        trainer.engine.destroy()
+    return out
+
+
 def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
     import trl
 
@@ -283,12 +294,7 @@ def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
     else:
         trainer = in_order(trl.SFTTrainer)(model=model, args=args, train_dataset=text_dataset(),
                                            processing_class=word_tokenizer())
-    trainer.train()
-    out = {"logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]}
-    if on_zero3:
-        out["steps"] = trainer.engine.global_steps
-        trainer.engine.destroy()
-    return out
+    return train_and_log(trainer, ("loss", "grad_norm"), on_zero3)
 
 
 @pytest.mark.timeout(300)
@@ -398,13 +404,7 @@ def grpo_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
     kwargs = {"zero3_config": CONFIG} if on_zero3 else {}
     trainer = base(model=model, reward_funcs=says_t5, args=args, train_dataset=prompts,
                    processing_class=word_tokenizer(), **kwargs)
-    trainer.train()
-    out = {"logged": [(h["loss"], h["grad_norm"], h["reward"], h["completions/mean_length"])
-                      for h in trainer.state.log_history if "loss" in h]}
-    if on_zero3:
-        out["steps"] = trainer.engine.global_steps
-        trainer.engine.destroy()
-    return out
+    return train_and_log(trainer, ("loss", "grad_norm", "reward", "completions/mean_length"), on_zero3)
 
 
 @pytest.mark.timeout(300)
