@@ -96,6 +96,7 @@ class Job:
     offload_optimizer: str = "none"
     precision: str = "bf16"
     reduce_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = None
     device: str = "cpu"
     breakdown: bool = False
     breakdown_out: str = ""
@@ -110,6 +111,7 @@ ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
 def ds_config(
     micro_batch: int, persistence_threshold: int | None, offload_optimizer: str = "none", precision: str = "bf16",
     reduce_bucket_size: int | None = None, optimizer: dict[str, Any] | None = None,
+    prefetch_bucket_size: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed-style config used by zero3 (and by DeepSpeed, if present)."""
     zero: dict[str, Any] = {"stage": 3}
@@ -117,6 +119,8 @@ def ds_config(
         zero["stage3_param_persistence_threshold"] = persistence_threshold
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
+    if prefetch_bucket_size is not None:
+        zero["stage3_prefetch_bucket_size"] = prefetch_bucket_size
     if offload_optimizer != "none":
         # ZeRO-Offload: fp32 masters and moments on the host, the step there (DeepSpeedCPUAdam in DeepSpeed).
         zero["offload_optimizer"] = {"device": offload_optimizer}
@@ -245,7 +249,7 @@ def _build_zero3(job: Job, threshold: int | None):
     import zero3
 
     cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size,
-                    json.loads(job.optimizer) if job.optimizer else None)
+                    json.loads(job.optimizer) if job.optimizer else None, job.prefetch_bucket_size)
     cfg["wall_clock_breakdown"] = job.breakdown
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg, device=_device(job)):
@@ -288,7 +292,7 @@ def _build_deepspeed(job: Job):
     import deepspeed  # noqa: F401  (only reached when importable)
 
     cfg = ds_config(job.micro_batch, None, job.offload_optimizer, job.precision, job.reduce_bucket_size,
-                    json.loads(job.optimizer) if job.optimizer else None)
+                    json.loads(job.optimizer) if job.optimizer else None, job.prefetch_bucket_size)
     if cfg["optimizer"]["type"].lower() == "muon":
         cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed refuses Muon with it
     torch.manual_seed(job.seed)
@@ -721,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-Offload for zero3 and DeepSpeed (fsdp2 has no optimizer offload: it is skipped)")
     p.add_argument("--reduce-bucket-size", type=positive_int, default=None,
                    help="zero_optimization.reduce_bucket_size for zero3 and DeepSpeed (default: DeepSpeed's 5e8)")
+    p.add_argument("--prefetch-bucket-size", type=non_negative_int, default=None,
+                   help="zero_optimization.stage3_prefetch_bucket_size for zero3 and DeepSpeed (default: DeepSpeed's "
+                   "5e7, which can gather a small model whole ahead of its use; FSDP2 prefetches one block)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="fp32 on a CPU without bf16 matmul units (bf16 backward is ~30x slower there)")
     p.add_argument("--rounds", type=positive_int, default=1,
@@ -789,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "zero3_config": ds_config(args.micro_batch, None, args.offload_optimizer, args.precision,
-                                      args.reduce_bucket_size),
+                                      args.reduce_bucket_size, None, args.prefetch_bucket_size),
         },
         "engines": {},
     }
@@ -821,8 +828,8 @@ def main(argv: list[str] | None = None) -> int:
                       warmup=args.warmup, seed=args.seed,
                       profile=args.profile and name == "zero3" and round_index == 0, profile_out=profile_path,
                       offload_optimizer=args.offload_optimizer, precision=args.precision,
-                      reduce_bucket_size=args.reduce_bucket_size, device=device,
-                      trace_out=str(args.trace / f"{name}_trace.txt") if args.trace and round_index == 0 else "")
+                      reduce_bucket_size=args.reduce_bucket_size, prefetch_bucket_size=args.prefetch_bucket_size,
+                      device=device, trace_out=str(args.trace / f"{name}_trace.txt") if args.trace and round_index == 0 else "")
             console.print(f"round {round_index + 1}/{args.rounds}: running {name} ...")
             t0 = time.perf_counter()
             try:
@@ -844,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
                       seed=args.seed, offload_optimizer=args.offload_optimizer, precision=args.precision,
-                      reduce_bucket_size=args.reduce_bucket_size, device=device, breakdown=True)
+                      reduce_bucket_size=args.reduce_bucket_size, prefetch_bucket_size=args.prefetch_bucket_size,
+                      device=device, breakdown=True)
             console.print(f"profiling {name} ...")
             results["engines"][name]["breakdown"] = summarize(launch(job, args.nproc), tokens_per_step)["breakdown"]
     results["ratios"] = ratios(results["engines"])
