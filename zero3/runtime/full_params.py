@@ -110,16 +110,27 @@ def _check_same_request(gather: ParamGather, dtype: torch.dtype, names: list[str
 
 
 class _GatherBuffer:
-    """The one flat buffer every parameter is gathered into in turn, made at its first use."""
+    """The one flat buffer every parameter is gathered into in turn, made at its first use; and the one
+    host piece that a shard read from disk passes through when it is cast or bound for a device."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, shard_numel: int) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
+        self.shard_numel = shard_numel  # the largest shard read through the staging piece
         self._tensor: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
 
     def take(self, numel: int) -> torch.Tensor:
         if self._tensor is None:
             self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return self._tensor[:numel]
+
+    def staging(self, dtype: torch.dtype) -> torch.Tensor:
+        """The staging piece, made once for the whole walk at the size its largest shard needs: a fresh
+        piece per parameter could be made before the reader thread had let go of the last one, and two
+        were alive now and then (test_full_params' fp32-from-disk bound)."""
+        if self._staging is None or self._staging.dtype != dtype:
+            self._staging = torch.empty(min(max(1, STAGING_BYTES // dtype.itemsize), self.shard_numel), dtype=dtype)
+        return self._staging
 
 
 def _gathered(
@@ -128,7 +139,8 @@ def _gathered(
     if not chosen:
         return
     parked.settle()  # background offload writes or reloads land first: each buffer is where it says
-    output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device)
+    output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device,
+                           max(sp.shard_numel for _, sp in chosen))
     for name, sp in chosen:
         yield name, _whole(sp, gather, output)
     del output
@@ -145,22 +157,20 @@ def _whole(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torc
         return slot.view()[: sp.numel].view(sp.shape)  # a shard group of one: the shard is the parameter
     full = output.take(sp.padded_numel)
     own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
-    _read_shard(slot, own)
+    _read_shard(slot, own, output)
     if sp.shard_numel > 0:
         gather.gather(own, full)  # in place: this rank's shard already sits in its chunk
     return full[: sp.numel].view(sp.shape)
 
 
-def _read_shard(slot: Slot, into: torch.Tensor) -> None:
+def _read_shard(slot: Slot, into: torch.Tensor, output: _GatherBuffer) -> None:
     """This rank's shard of one parameter into `into` (cast to its dtype), from wherever it lives."""
     buffer = slot.buffer
     if buffer.file is None or (into.device.type == "cpu" and into.dtype == buffer.dtype):
         buffer.read_into(slot.offset, into)  # from memory, or from its file straight into its place
         return
-    step = max(1, STAGING_BYTES // buffer.dtype.itemsize)  # a cast, or a device: through bounded host pieces
-    # One staging piece, reused: a fresh one per piece could be made before the reader thread had let go
-    # of the last (two pieces alive now and then: the flaky 4x in test_full_params' memory bound).
-    staging = torch.empty(min(step, slot.numel), dtype=buffer.dtype)
+    staging = output.staging(buffer.dtype)  # a cast, or a device: through one bounded host piece
+    step = staging.numel()
     for start in range(0, slot.numel, step):
         piece = staging[: min(step, slot.numel - start)]
         buffer.read_into(slot.offset + start, piece)
