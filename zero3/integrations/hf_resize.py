@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import zero3
+from zero3.partition.init_context import gather_full_fp32
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import unit_of
 
@@ -35,14 +36,12 @@ def _embedding_params(model: Any) -> list[nn.Parameter]:
 
 
 def _full_fp32(sp: ShardedParam) -> torch.Tensor:
-    """The whole fp32 value of a partitioned parameter (collective): from the fp32 master seed where the
-    shards are 16-bit, so the rows kept are exactly the ones the engine would start from."""
+    """The whole fp32 value of a partitioned parameter (collective), through the unit that gathers it: the
+    rows kept are exactly the ones the engine would start from."""
     unit = unit_of(sp)
     if unit is None or sp.lp_slot is None:
         raise RuntimeError(f"resize_token_embeddings: {sp.name} has no shards to read (its engine was destroyed)")
-    seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()
-    gathered = unit.gather.exact().gather(seed.to(sp.placeholder.device))
-    return gathered[: sp.numel].view(sp.shape).clone()
+    return gather_full_fp32(sp, unit.gather, sp.placeholder.device)
 
 
 def _replace_everywhere(model: nn.Module, replacement: dict[int, nn.Parameter]) -> None:
@@ -82,7 +81,7 @@ def resize_token_embeddings(
     try:
         embeddings = type(model).resize_token_embeddings(model, new_num_tokens, pad_to_multiple_of, mean_resizing)
     except BaseException:
-        _replace_everywhere(model, {id(new): old for old, _ in partitioned for new in [whole[id(old)]]})
+        _replace_everywhere(model, {id(whole[id(old)]): old for old, _ in partitioned})  # as it was
         raise
     # The resized modules are partitioned again (the ones left whole by an unchanged size too): the input
     # embedding first, so a tied head finds its weight partitioned already.

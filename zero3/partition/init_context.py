@@ -60,6 +60,15 @@ def _func_name(func: Callable[..., Any]) -> tuple[str, bool]:
     return name, False
 
 
+def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device) -> torch.Tensor:
+    """The whole fp32 value of a partitioned parameter, on `device` (collective): from the fp32 master
+    seed where the shards are 16-bit (an fp32 shard already is exact), so no value goes through 16 bits."""
+    assert sp.lp_slot is not None, f"parameter {sp.name} has no shard storage"
+    seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()
+    out = gather.exact().gather(seed.to(device))
+    return out[: sp.numel].view(sp.shape).clone()
+
+
 class _PartitionedWriteMode(TorchFunctionMode):
     def __init__(self, init: "Init") -> None:
         super().__init__()
@@ -274,10 +283,8 @@ class Init:
 
     def gather_fp32(self, sp: ShardedParam) -> torch.Tensor:
         """The full fp32 value of a partitioned parameter (collective)."""
-        assert self.gather is not None and sp.lp_slot is not None
-        seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()  # fp32: the shard is exact
-        out = self.gather.exact().gather(seed.to(self.device))
-        return out[: sp.numel].view(sp.shape).clone()
+        assert self.gather is not None
+        return gather_full_fp32(sp, self.gather, self.device)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
