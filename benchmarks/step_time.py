@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import ctypes
 import io
 import json
 import logging
@@ -69,6 +68,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zero3.accelerator import host_heap_bytes
 from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, GPTConfig
@@ -148,27 +148,6 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
 
 # ------------------------------------------------------------ where memory goes
 
-# glibc's malloc statistics (all arenas): `uordblks` bytes in use from the arenas, `fordblks` bytes free
-# in them (kept by the allocator, mostly still resident), `hblkhd` bytes in blocks it mmapped apart (large
-# allocations: returned to the system when freed).
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        return libc
-    except (OSError, AttributeError):  # not glibc (or older than 2.33): RSS and threads only
-        return None
-
-
-_LIBC = _libc()
-
-
 def memory_snapshot() -> dict[str, int]:
     """This process's resident memory and what glibc's allocator holds, at one moment (Linux)."""
     snapshot: dict[str, int] = {}
@@ -181,9 +160,9 @@ def memory_snapshot() -> dict[str, int]:
                 snapshot[key] = int(value)
     except OSError:
         pass
-    if _LIBC is not None:
-        info = _LIBC.mallinfo2()
-        snapshot.update(heap_in_use=info.uordblks, heap_free=info.fordblks, mmapped=info.hblkhd)
+    heap = host_heap_bytes()  # glibc's allocator (None elsewhere: RSS and threads only)
+    if heap is not None:
+        snapshot.update(heap_in_use=heap["in_use"], heap_free=heap["free"], mmapped=heap["mmapped"])
     return snapshot
 
 

@@ -12,32 +12,24 @@ object arenas, thread stacks; about 60 MiB here, trimmed or not).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from pathlib import Path
 
 import pytest
 
 from tests.distributed import run_ranks
+from zero3.accelerator import host_heap_bytes
 
-pytestmark = pytest.mark.skipif(ctypes.util.find_library("c") is None or not Path("/proc/self/status").exists(),
-                                reason="glibc's malloc statistics and /proc are Linux's")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+pytestmark = pytest.mark.skipif(host_heap_bytes() is None or not Path("/proc/self/status").exists(),
+                                reason="glibc's malloc statistics (2.33+) and /proc are Linux's")
 
 
 def _resident_and_allocated() -> tuple[int, int]:
     """(resident anonymous bytes, bytes glibc's allocator has handed out: heap in use plus mapped apart)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    heap = host_heap_bytes()
+    assert heap is not None
     anon = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("RssAnon:"))
-    return anon, info.uordblks + info.hblkhd
+    return anon, heap["in_use"] + heap["mmapped"]
 
 
 def freed_but_resident_after_initialize(rank: int, world: int, trim: bool) -> float:

@@ -7,6 +7,8 @@ synchronous copies rather than a skipped feature.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 
 import torch
@@ -164,19 +166,37 @@ def release_host_memory() -> None:
     from the heap and keeps freed pages there, so freeing a state would not
     lower the process's resident memory. `malloc_trim(0)` returns them.
     """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    if _libc is not None:
+        _libc.malloc_trim(0)
 
 
-def _find_malloc_trim():  # type: ignore[no-untyped-def]
-    import ctypes
-    import ctypes.util
+def host_heap_bytes() -> dict[str, int] | None:
+    """What glibc's allocator holds, over all its arenas (None where it is not glibc 2.33+): `in_use`
+    handed out from the heap, `free` freed but kept in it (mostly still resident), `mmapped` in blocks
+    mapped apart (large allocations, returned to the OS when freed)."""
+    if _libc is None or not hasattr(_libc, "mallinfo2"):
+        return None
+    info = _libc.mallinfo2()
+    return {"in_use": info.uordblks, "free": info.fordblks, "mmapped": info.hblkhd}
 
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _find_libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        libc = ctypes.CDLL(name) if name else None
+        if libc is None or not hasattr(libc, "malloc_trim"):
+            return None  # not glibc (macOS, musl): nothing to trim or read
+    except OSError:
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
-_malloc_trim = _find_malloc_trim()
+_libc = _find_libc()
