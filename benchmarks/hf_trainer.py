@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import importlib.util
-import pstats
 import json
 import os
+import pstats
 import resource
 import statistics
 import subprocess

@@ -9,8 +9,8 @@ zero3/comm.py). It happened in about 1 of 20 such jobs, so this runs 30.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,15 +30,14 @@ SCRIPT = TRAIN + "dist.destroy_process_group()\n"
 # through the interpreter's own shutdown (SystemExit unwinds to the top), which is what is under test.
 LAUNCHER = textwrap.dedent(
     """
-    import json, os, runpy, socket, sys
+    import json, os, runpy, sys
     import torch, torch.distributed, zero3, tests.models
+    from tests.distributed import free_port
 
     script, jobs, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     outcomes = []
     for job in range(jobs):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         children = []
         for rank in range(2):
             err_path = os.path.join(out_dir, f"job{job}-rank{rank}.err")
