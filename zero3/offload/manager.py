@@ -142,6 +142,24 @@ class StateOffloader:
         return StateReport(entries, homes, disk_directory=directory, pinned_bytes=self.host.pinned_bytes)
 
     # ---- offload ------------------------------------------------------------
+    def pin_ahead(self, states: list[OffloadStateType]) -> int:
+        """Page-lock the host copies an offload of `states` to "cpu" will use, in the background (see
+        zero3.offload.host's [Note: pinning ahead]); returns how many buffers are being made."""
+        self.settle()
+        wanted = [
+            (buffer.name, buffer.numel, buffer.dtype)
+            for state in states if state is not SCRATCH  # the scratch bucket is freed, never copied
+            for buffer in self._buffers(state)
+            if buffer.store is None and not buffer.parked and buffer.device.type != "cpu"
+        ]
+        making = self.host.reserve(wanted)
+        if not wanted:
+            log.info("pin_offload_buffers: %s live in host memory or on disk; nothing to pin", _names(states))
+        elif making:
+            log.info("pin_offload_buffers: page-locking %d host buffers (%s) in the background", making,
+                     _mib(sum(numel * dtype.itemsize for _, numel, dtype in wanted)))
+        return making
+
     def disk_root(self, nvme_path: str | Path | None) -> Path:
         """The directory `offload_states(device="nvme")` parks under: its `nvme_path`, else the config's."""
         path = nvme_path if nvme_path is not None else self._default_disk_root

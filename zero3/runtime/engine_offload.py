@@ -67,6 +67,19 @@ class OffloadMethods:
         agreed(self.comm, "offload_states", offload, " (no rank keeps this call's states offloaded)",
                undo=lambda: self.offloader.undo(mark))
 
+    def pin_offload_buffers(self, include: Any = None) -> int:
+        """Page-lock, in a background thread, the host buffers that `offload_states(include,
+        device="cpu")` will copy into, so that its first call runs at the copy speed.
+
+        Page-locking is the slow part of a first offload (seconds per GiB); call this after
+        `initialize` and keep training meanwhile. An `offload_states` that needs a buffer still
+        being made waits for it. Returns how many buffers are being made: none on the CPU (the
+        states live in host memory already), or when they exist from an earlier call or offload.
+        Not collective; best effort (a failure is logged, and offload_states makes what is missing).
+        """
+        self._check_alive()
+        return self.offloader.pin_ahead(parse_states(include))
+
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back every offloaded state, bit-exact; recreate a freed scratch bucket.
 
