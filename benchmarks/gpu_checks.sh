@@ -2,56 +2,86 @@
 # By hand, on a lent GPU machine: the CUDA tests and the GPU benchmarks in one call.
 #   ../shared/tools/gpu-prep           # here, once: wheels into the git-ignored .gpu/
 #   run (carry [".gpu"]): source .gpu/setup.sh && bash benchmarks/gpu_checks.sh tests small large offload
-# Phases (any order, any subset):
-#   tests    pytest -m cuda (the tests that need a device)
-#   small    step_time --device cuda, GPT 16 x 768 (113M), zero3 vs DDP, FSDP2, DeepSpeed, alternated
-#   large    the same at 20 x 2304 (1.27B)
-#   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 vs FSDP2 and DeepSpeed's
-#   profile  --breakdown of zero3 and DDP at 113M (torch.profiler: where the step goes)
-#   offload  gpu_offload.py at 1.27B, plain pinned allocation and registered pages
+# Phases (any order, any subset), each under its own time limit (seconds: LIMIT_<phase>=N), so one
+# that hangs or runs long leaves the later ones their time:
+#   tests    pytest -m cuda (every test that runs on a device), on XDIST workers (default 8) when
+#            pytest-xdist is there
+#   small    step_time --device cuda, GPT 16 x 768 (113M), zero3 vs DDP, FSDP2 (and DeepSpeed), alternated,
+#            then one torch.profiler run per engine (--breakdown: where the step goes)
+#   large    the same at 20 x 2304 (1.27B), without the profiler run
+#   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 vs DeepSpeed's
+#   profile  a torch.profiler trace of zero3 and DDP at 113M (the top ops, per engine)
+#   offload  gpu_offload.py at 1.27B, pinned ahead (engine.pin_offload_buffers) while 30 steps train:
+#            with the allocator's pinned allocation, then with registered pages
 #   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
 #            FSDP2 (accelerate's own) and DeepSpeed
-# Logs and JSON go to $OUT (or /tmp/gpu_checks) when set.
+# ENGINES picks the step_time engines (default ddp,zero3,fsdp2, plus deepspeed when it imports and DS=1:
+# its fused Adam is compiled on first use, which costs a minute of device time).
+# The log goes to $OUT/all.log (or /tmp/gpu_checks) and, after every phase, the JSON results and
+# per-phase logs to $OUT/results.tgz: the device tool brings back few files.
 set -uo pipefail
 out=${OUT:-/tmp/gpu_checks}
-mkdir -p "$out"
+work=/tmp/gpu_checks_work
+mkdir -p "$out" "$work"
+exec > >(tee -a "$out/all.log") 2>&1
 export TORCH_CUDA_ARCH_LIST=9.0  # the image sets "9.0a", which DeepSpeed's JIT parser refuses
-engines=${ENGINES:-ddp,zero3,fsdp2,deepspeed}
-python3 -c "import deepspeed" 2>/dev/null || engines=${engines/,deepspeed/}
+engines=${ENGINES:-ddp,zero3,fsdp2}
+if [[ ${DS:-0} == 1 ]] && python3 -c "import deepspeed" 2>/dev/null; then engines=${ENGINES:-ddp,zero3,fsdp2,deepspeed}; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__)"
+python3 -c "import torch; print('torch', torch.__version__, 'engines: $engines')"
 seq=(--block-size 1024 --micro-batch 8 --nproc 1 --device cuda)
+limit() { local name="LIMIT_$1"; echo "${!name:-$2}"; }
+pack() { tar czf "$out/results.tgz.part" -C "$work" . && mv "$out/results.tgz.part" "$out/results.tgz"; }
+start=$SECONDS
 for phase in "$@"; do
-  echo "=== $phase"
+  echo "=== $phase (at ${SECONDS}s)"
   case $phase in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests 2>&1 | tee "$out/tests.log" | tail -25 ;;
+      workers=()
+      python3 -c "import xdist" 2>/dev/null && workers=(-n "${XDIST:-8}")
+      timeout "$(limit tests 150)" python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs --timeout 100 --continue-on-collection-errors "${workers[@]}" \
+        --junitxml "$work/tests.xml" tests > "$work/tests.log" 2>&1
+      echo "rc $?"; tail -40 "$work/tests.log" ;;
     small)
-      python3 benchmarks/step_time.py --engines "$engines" --n-layer 16 --n-embd 768 --n-head 12 "${seq[@]}" \
-        --steps ${STEPS:-20} --warmup 3 --rounds ${ROUNDS:-3} --out "$out/step_small.json" 2>&1 | tee "$out/small.log" | tail -30 ;;
+      timeout "$(limit small 140)" python3 benchmarks/step_time.py --engines "$engines" --n-layer 16 --n-embd 768 \
+        --n-head 12 "${seq[@]}" --steps "${STEPS:-20}" --warmup 3 --rounds "${ROUNDS:-3}" --breakdown \
+        --out "$work/step_small.json" > "$work/small.log" 2>&1
+      echo "rc $?"; tail -30 "$work/small.log" ;;
     large)
-      python3 benchmarks/step_time.py --engines "$engines" --n-layer 20 --n-embd 2304 --n-head 18 "${seq[@]}" \
-        --steps ${STEPS:-10} --warmup 2 --rounds ${ROUNDS:-2} --out "$out/step_large.json" 2>&1 | tee "$out/large.log" | tail -30 ;;
+      timeout "$(limit large 120)" python3 benchmarks/step_time.py --engines "$engines" --n-layer 20 --n-embd 2304 \
+        --n-head 18 "${seq[@]}" --steps "${STEPS_LARGE:-10}" --warmup 2 --rounds "${ROUNDS_LARGE:-2}" \
+        --out "$work/step_large.json" > "$work/large.log" 2>&1
+      echo "rc $?"; tail -30 "$work/large.log" ;;
     zoffload)
-      python3 benchmarks/step_time.py --engines "${engines/ddp,/}" --offload-optimizer cpu --n-layer 16 --n-embd 768 --n-head 12 \
-        "${seq[@]}" --steps 10 --warmup 2 --rounds ${ROUNDS:-2} --out "$out/step_zoffload.json" 2>&1 | tee "$out/zoffload.log" | tail -20 ;;
+      timeout "$(limit zoffload 120)" python3 benchmarks/step_time.py --engines "${ZENGINES:-zero3,deepspeed}" \
+        --offload-optimizer cpu --n-layer 16 --n-embd 768 --n-head 12 "${seq[@]}" --steps 10 --warmup 2 \
+        --rounds "${ROUNDS_LARGE:-2}" --out "$work/step_zoffload.json" > "$work/zoffload.log" 2>&1
+      echo "rc $?"; tail -20 "$work/zoffload.log" ;;
     profile)
-      python3 benchmarks/step_time.py --engines zero3,ddp --n-layer 16 --n-embd 768 --n-head 12 "${seq[@]}" \
-        --steps 10 --warmup 3 --trace "$out" --profile --out "$out/step_profile.json" 2>&1 | tee "$out/profile.log" | tail -12
-      cp benchmarks/results/*.prof "$out/" 2>/dev/null
-      python3 -c "import pstats,glob; [pstats.Stats(f).sort_stats('tottime').print_stats(30) for f in glob.glob('$out/*.prof')]" > "$out/cprofile.txt" 2>&1
-      head -3 "$out"/*_trace.txt ;;
+      timeout "$(limit profile 120)" python3 benchmarks/step_time.py --engines zero3,ddp --n-layer 16 --n-embd 768 \
+        --n-head 12 "${seq[@]}" --steps 10 --warmup 3 --trace "$work" --out "$work/step_profile.json" \
+        > "$work/profile.log" 2>&1
+      echo "rc $?"; tail -12 "$work/profile.log"; head -25 "$work"/*_trace.txt ;;
     offload)
-      python3 benchmarks/gpu_offload.py --out "$out/offload_plain.json" 2>&1 | tail -8
-      PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
-        python3 benchmarks/gpu_offload.py --out "$out/offload_registered.json" 2>&1 | tail -8 ;;
+      # The first offload's cost is page-locking the host buffers: pinned ahead in the background (the
+      # steps train meanwhile), with the allocator's pinned allocation, then with registered pages.
+      for how in allocated registered; do
+        conf=()
+        [[ $how == registered ]] && conf=(PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:${REGISTER_THREADS:-16})
+        env "${conf[@]}" timeout "$(limit offload 60)" python3 benchmarks/gpu_offload.py --pin-ahead \
+          --steps 30 --cycles 2 --out "$work/offload_$how.json" > "$work/offload_$how.log" 2>&1
+        echo "rc $?"; tail -8 "$work/offload_$how.log"
+      done ;;
     hf)
-      torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out "$out/hf-run" --steps 20 --bf16 2>&1 \
-        | tee "$out/hf_example.log" | tail -4
-      torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out "$out/hf-run" --steps 30 --bf16 \
-        --resume "$out/hf-run/checkpoint-20" 2>&1 | tee -a "$out/hf_example.log" | tail -4
-      python3 benchmarks/hf_trainer.py --world 1 --rounds ${ROUNDS:-2} --engines "$engines" --hidden 1024 --layers 8 \
-        --out "$out/hf_trainer.json" 2>&1 | tee "$out/hf_trainer.log" | tail -12 ;;
+      timeout "$(limit hf 240)" bash -c "
+        torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out $work/hf-run --steps 20 --bf16 &&
+        torchrun --standalone --nproc_per_node 1 examples/hf_trainer.py --out $work/hf-run --steps 30 --bf16 \
+          --resume $work/hf-run/checkpoint-20 &&
+        python3 benchmarks/hf_trainer.py --world 1 --rounds ${ROUNDS:-2} --engines ${engines} --hidden 1024 \
+          --layers 8 --out $work/hf_trainer.json" > "$work/hf.log" 2>&1
+      echo "rc $?"; tail -16 "$work/hf.log"; rm -rf "$work/hf-run" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
+  pack
 done
+echo "=== done in $((SECONDS - start))s"

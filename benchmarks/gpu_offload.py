@@ -9,6 +9,8 @@ Prints a table (seconds, GB/s, device memory before/after) and writes JSON at `-
     python benchmarks/gpu_offload.py --n-layer 20 --n-embd 2304 --n-head 18
     PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
         python benchmarks/gpu_offload.py ...          # pinned pages registered instead of allocated
+    python benchmarks/gpu_offload.py --pin-ahead      # engine.pin_offload_buffers() right after
+                                                      # initialize, while the --steps train
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=positive_int, default=8)
     p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("--cycles", type=positive_int, default=3)
+    p.add_argument("--pin-ahead", action="store_true",
+                   help="engine.pin_offload_buffers() after initialize; the steps train while it pins")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_offload.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -64,12 +68,21 @@ def main() -> None:
         model = GPT(shape)
     engine, _, _, _ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg, device=device)
     generator = torch.Generator()
+    pin_started = time.perf_counter()
+    pinning = engine.pin_offload_buffers() if args.pin_ahead else 0
+    step_s = []
     for step in range(args.steps):
         generator.manual_seed(step)
         x, y = sample_global_batch(tokens, args.block_size, args.micro_batch, generator)
+        t0 = time.perf_counter()
         out = engine(x.to(device), y.to(device))
         engine.backward(out["loss"])
         engine.step()
+        torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - t0)
+    pinned_within_steps = not engine.host_pool.reserving
+    engine.host_pool.settle()
+    pin_s = time.perf_counter() - pin_started if args.pin_ahead else None
     torch.cuda.synchronize()
     state_bytes = sum(sum(places.values()) for places in engine.state_report().values())
     rows = []
@@ -89,6 +102,14 @@ def main() -> None:
     params = shape.num_parameters()
     print(f"GPT {args.n_layer} x {args.n_embd}: {params / 1e6:.1f}M params, {state_bytes / 2**30:.2f} GiB of state;"
           f" PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
+    if args.pin_ahead:
+        print(f"pin_offload_buffers: {pinning} buffers pinned {pin_s:.2f} s after the call"
+              f" ({'within' if pinned_within_steps else 'after'} the {args.steps} steps);"
+              f" step s: {', '.join(f'{s:.3f}' for s in step_s)}")
+    host_stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    print("pinned host MiB (pool / torch's host allocator):", f"{engine.host_pool.pinned_bytes / 2**20:,.0f}",
+          "/", f"{host_stats.get('allocated_bytes.current', host_stats.get('allocated_bytes', 0)) / 2**20:,.0f}"
+          if host_stats else "n/a")
     print("| cycle | offload s | GB/s | reload s | GB/s | device MiB before | after |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -97,7 +118,11 @@ def main() -> None:
               f" {r['device_bytes_after'] / 2**20:,.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"params": params, "state_bytes": state_bytes, "rows": rows,
-                                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}, indent=2))
+                                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                                    "pin_ahead": args.pin_ahead, "pin_s": pin_s, "step_s": step_s,
+                                    "host_memory_stats": {k: v for k, v in host_stats.items()
+                                                          if "bytes" in k and "current" in k or "peak" in k}},
+                                   indent=2, default=str))
     engine.destroy()
     dist.destroy_process_group()
 
