@@ -8,6 +8,8 @@ and is skipped, with the reason, where torch sees no CUDA device.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,11 @@ from zero3.accelerator import DEVICE_VARIABLES
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: runs on a CUDA device at world size 1 (skipped without one)")
+    # Pinned for the whole session too, not only per test: module-scoped fixtures (which launch world-2
+    # jobs) are set up before a test's own fixtures run.
+    for variable in DEVICE_VARIABLES:
+        os.environ.pop(variable, None)
+    os.environ[DEVICE_VARIABLES[0]] = "cpu"
 
 
 @pytest.fixture(autouse=True)

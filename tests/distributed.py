@@ -59,12 +59,21 @@ def _worker(
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     if world_size == 1 and os.environ.get("ZERO3_TEST_INPROCESS_WORLD1") == "1":
         return [fn(0, 1, *args)]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(world_size, free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
-            join=True, start_method="forkserver",
-        )
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                mp.start_processes(
+                    _worker, args=(world_size, free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
+                    join=True, start_method="forkserver",
+                )
+            except mp.ProcessRaisedException as error:
+                # The free port was taken between free_port() and the rendezvous (pytest-xdist workers
+                # pick ports at the same time): nothing of the test ran past its rendezvous; run it again.
+                if "EADDRINUSE" in str(error) and attempt < 2:
+                    continue
+                raise
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    raise AssertionError("unreachable")
 
 
 # What a rank of a world (or an in-process world of one, via zero3.comm.init_distributed) leaves in

@@ -299,7 +299,8 @@ def train_steps(engine, rank: int, world: int, batches: list) -> list[float]:
     """One optimizer step per global batch, each rank on its rows; returns this rank's losses."""
     losses = []
     for x, y in batches:
-        loss = loss_of(engine(x.chunk(world)[rank], y.chunk(world)[rank]), engine.module)
+        x, y = x.chunk(world)[rank].to(engine.device), y.chunk(world)[rank].to(engine.device)
+        loss = loss_of(engine(x, y), engine.module)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -312,19 +313,20 @@ def mean_losses(engine, rank: int, world: int, batches: list) -> list[float]:
 
     losses = []
     for local in train_steps(engine, rank, world, batches):
-        total = torch.tensor([local], dtype=torch.float64)
+        total = torch.tensor([local], dtype=torch.float64, device=engine.device)  # nccl reduces device tensors
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:
-    """A partitioned parameter's whole value in fp32 (collective): its master, or for a frozen parameter
-    (no master: DeepSpeed's safe_get_full_fp32_param answers None) its gathered 16-bit value."""
+    """A partitioned parameter's whole value in fp32 on the host (collective): its master, or for a frozen
+    parameter (no master: DeepSpeed's safe_get_full_fp32_param answers None) its gathered 16-bit value.
+    On the host so that it compares with the CPU reference whatever device the engine is on."""
     import zero3
 
     full = zero3.safe_get_full_fp32_param(param)
     if full is not None:
-        return full
+        return full.cpu()
     with zero3.GatheredParameters([param]):
-        return param.detach().float().clone()
+        return param.detach().float().cpu().clone()

@@ -8,6 +8,7 @@ losses match.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ import torch
 
 import zero3
 from tests import models
+from tests.devices import worlds_on_devices
 from tests.distributed import run_ranks
+from zero3.accelerator import DEVICE_VARIABLES
 
 STEPS = 6
 SAVED_AT = 3
@@ -57,6 +60,18 @@ def data() -> list:
 
 VARIANTS = ["fp32", "bf16", "fp16", "optimizer_cpu", "optimizer_nvme"]
 
+# A world-2 scenario on the CPU, and the same scenario at world 1 on CUDA (two nccl ranks cannot share one GPU).
+TWO_RANKS_OR_ONE_GPU = pytest.mark.parametrize(("world", "device"), [
+    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
+
+
+def deterministic(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn` on torch's deterministic kernels. On CUDA, attention's and the embedding's backward accumulate
+    with atomics by default: two runs compared bit for bit must add in the same order."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return fn(rank, world, *args)
+
 
 # ---- 3: exact resume ------------------------------------------------------------------------------------
 def train_and_save(rank: int, world: int, root: str) -> dict:
@@ -85,15 +100,23 @@ def resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def on_the_cpu(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """run_ranks for a module fixture: set up before conftest pins each test's device, so pinned here (its
+    world of 2 cannot share a GPU, and a `cuda` test reading its checkpoint would otherwise come first)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DEVICE_VARIABLES[0], "cpu")
+        return run_ranks(world, fn, *args)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     root = tmp_path_factory.mktemp("ckpt")
-    return str(root), run_ranks(2, train_and_save, str(root))
+    return str(root), on_the_cpu(2, train_and_save, str(root))
 
 
 @pytest.fixture(scope="module")
 def resumed(saved: tuple[str, list[dict]]) -> list[dict]:
-    return run_ranks(2, resume, saved[0])
+    return on_the_cpu(2, resume, saved[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -109,6 +132,21 @@ def test_resume_in_fresh_processes_gives_the_same_losses_bit_for_bit(
         assert again[variant]["path"] == os.path.join(root, variant, f"global_step{SAVED_AT}")
     if variant == "fp16":
         assert before[0]["fp16"]["scale"] != 2.0**8  # the dynamic scale moved, and the load restored it
+
+
+@pytest.mark.cuda
+def test_resume_on_cuda_gives_the_same_losses_bit_for_bit(tmp_path: Path) -> None:
+    """The module fixture's world-2 scenario cannot go on one GPU: every variant saved and resumed at world 1
+    on CUDA (staging from device memory, the optimizer tiers beside it), in fresh processes, bit for bit."""
+    root = str(tmp_path)
+    (before,) = run_ranks(1, deterministic, train_and_save, root)
+    (again,) = run_ranks(1, deterministic, resume, root)
+    for variant in VARIANTS:
+        assert again[variant]["losses"] == before[variant]["losses"][SAVED_AT:], variant
+        assert again[variant]["scale"] == before[variant]["scale"] and again[variant]["lr"] == before[variant]["lr"]
+        assert again[variant]["loaded"]["steps"] == SAVED_AT and again[variant]["steps"] == STEPS
+        assert again[variant]["client"] == {"variant": variant, "rank_count": 1}
+    assert before["fp16"]["scale"] != 2.0**8
 
 
 def test_each_parameter_is_saved_once_under_its_name_with_its_global_shape(saved: tuple[str, list[dict]]) -> None:
@@ -150,8 +188,8 @@ def mean_per_step(per_rank: list[list[float]]) -> torch.Tensor:
     return torch.tensor(per_rank, dtype=torch.float64).mean(dim=0)  # equal chunks: the global batch's loss
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_a_world_2_checkpoint_loads_at_another_world_size(saved: tuple[str, list[dict]], world: int) -> None:
+@worlds_on_devices(1, 3)
+def test_a_world_2_checkpoint_loads_at_another_world_size(saved: tuple[str, list[dict]], world: int, device: str) -> None:
     root, before = saved
     expected = mean_per_step([r["fp32"]["losses"][SAVED_AT:] for r in before])
     got = mean_per_step(run_ranks(world, reshard, root))
@@ -397,13 +435,19 @@ def resume_async(rank: int, world: int, root: str) -> list[float]:
     return losses
 
 
-def test_async_save_returns_once_staged_and_holds_the_state_of_the_moment_it_was_called(tmp_path: Path) -> None:
+@TWO_RANKS_OR_ONE_GPU
+def test_async_save_returns_once_staged_and_holds_the_state_of_the_moment_it_was_called(
+    tmp_path: Path, world: int, device: str
+) -> None:
     root = str(tmp_path)
-    results = run_ranks(2, async_job, root)
+    # (on CUDA on deterministic kernels: the resumed losses are compared bit for bit)
+    job, resumed_job = ((deterministic, async_job), (deterministic, resume_async)) if device == "cuda" else \
+        ((async_job,), (resume_async,))
+    results = run_ranks(world, *job, root)
     assert all(r["returned_before_written"] for r in results)
     assert results[0]["first_done"] == f"global_step{SAVED_AT}"
     assert all(r["latest"] == "end" for r in results)  # destroy() waited for the last save
-    resumed = run_ranks(2, resume_async, root)
+    resumed = run_ranks(world, *resumed_job, root)
     for result, again in zip(results, resumed):
         assert again == result["losses"]
 
@@ -442,9 +486,9 @@ def live_export(rank: int, world: int, root: str) -> dict:
         engine.save_16bit_model(target + "-parked")
         still_parked = set(engine.state_report()["lp_params"]) == {"nvme"}
         engine.reload_states()
-        x, y = data()[2]
+        x, y = (t.chunk(world)[rank].to(engine.device) for t in data()[2])
         with torch.no_grad():
-            out[variant] = {"engine": engine(x.chunk(world)[rank], y.chunk(world)[rank]).item()}
+            out[variant] = {"engine": engine(x, y).item()}
         out[variant]["plain"] = plain_loss(os.path.join(target, "model.safetensors"), data()[2], rank, world)
         out[variant]["parked"] = {"still_parked": still_parked, "same": rank != 0 or same_safetensors(
             os.path.join(target, "model.safetensors"), os.path.join(target + "-parked", "model.safetensors"))}
@@ -452,12 +496,17 @@ def live_export(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_save_16bit_model_writes_weights_a_plain_module_loads_with_the_engines_outputs(tmp_path: Path) -> None:
+@TWO_RANKS_OR_ONE_GPU
+def test_save_16bit_model_writes_weights_a_plain_module_loads_with_the_engines_outputs(
+    tmp_path: Path, world: int, device: str
+) -> None:
     from safetensors import safe_open
 
-    results = run_ranks(2, live_export, str(tmp_path))
+    results = run_ranks(world, live_export, str(tmp_path))
+    # The plain module runs on the host: against a CUDA engine's forward (other kernels) close, not equal.
+    rel = 1e-6 if device == "cpu" else 1e-5
     for result in results:
-        assert result["fp32"]["plain"] == pytest.approx(result["fp32"]["engine"], rel=1e-6)
+        assert result["fp32"]["plain"] == pytest.approx(result["fp32"]["engine"], rel=rel)
         for variant in ("fp32", "bf16"):
             assert result[variant]["parked"] == {"still_parked": True, "same": True}, variant
         # bf16 weights in a fp32 module compute in fp32: close to the engine's bf16 forward, not equal
@@ -512,7 +561,7 @@ def llama_job(rank: int, world: int, root: str) -> dict:
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zero3.initialize(model=model, config=cfg)
     batch = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(3))
-    mine = batch.chunk(world)[rank]
+    mine = batch.chunk(world)[rank].to(engine.device)
     for _ in range(2):
         engine.backward(engine(input_ids=mine, labels=mine).loss)
         engine.step()
@@ -533,6 +582,7 @@ def llama_job(rank: int, world: int, root: str) -> dict:
     engine.comm.barrier()
     with torch.no_grad():
         logits = engine(input_ids=mine).logits
+    logits, mine = logits.cpu(), mine.cpu()  # compared with the plain model on the host, and returned
     loaded = LlamaForCausalLM.from_pretrained(target)
     with torch.no_grad():
         plain = loaded(input_ids=mine).logits
@@ -549,13 +599,16 @@ def llama_job(rank: int, world: int, root: str) -> dict:
             "bin_equal": sorted(bin_state) == sorted(shards) and all(torch.equal(bin_state[k], shards[k]) for k in shards)}
 
 
-def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(tmp_path: Path) -> None:
+@TWO_RANKS_OR_ONE_GPU
+def test_the_weights_load_into_a_hugging_face_model_with_the_engines_logits(
+    tmp_path: Path, world: int, device: str
+) -> None:
     import subprocess
     import sys
 
     from transformers import LlamaForCausalLM
 
-    results = run_ranks(2, llama_job, str(tmp_path))
+    results = run_ranks(world, llama_job, str(tmp_path))
     for rank, result in enumerate(results):  # save_16bit_model's shards
         assert result["max_diff"] < 1e-5
         assert "model.safetensors.index.json" in result["files"]

@@ -17,6 +17,7 @@ import torch
 
 import zero3
 from tests import models
+from tests.devices import ON_DEVICES, worlds_on_devices
 from tests.distributed import run_ranks
 from zero3.checkpoint.tags import checksums, write_engine_sum
 
@@ -57,8 +58,8 @@ def build(world: int) -> tuple[zero3.ZeroEngine, torch.nn.Module]:
 
 
 def one_step(engine: zero3.ZeroEngine, rank: int, world: int, seed: int = 0) -> float:
-    x, y = models.batches("tokens", 1, 2 * world, seed=seed)[0]
-    loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    x, y = (t.chunk(world)[rank].to(engine.device) for t in models.batches("tokens", 1, 2 * world, seed=seed)[0])
+    loss = engine(x, y)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -125,8 +126,8 @@ def tampered(tmp_path: Path, world: int) -> tuple[list[Path], Path]:
     return roots, marker
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_planted_payload_is_refused_named_and_never_run(tmp_path: Path, world: int) -> None:
+@worlds_on_devices(1, 2)
+def test_a_planted_payload_is_refused_named_and_never_run(tmp_path: Path, world: int, device: str) -> None:
     roots, marker = tampered(tmp_path, world)
     per_rank = run_ranks(world, refused_loads, [str(root) for root in roots])
     assert not marker.exists()
@@ -189,7 +190,8 @@ def test_plain_client_state_round_trips_with_the_default(tmp_path: Path) -> None
         assert torch.equal(client["nested"]["t"], torch.arange(3))
 
 
-def test_a_users_class_needs_the_opt_in(tmp_path: Path) -> None:
+@ON_DEVICES
+def test_a_users_class_needs_the_opt_in(tmp_path: Path, device: str) -> None:
     run_ranks(1, save, str(tmp_path), {"epoch": Epoch(7)})
     ((refused, trusted, registered),) = run_ranks(1, round_trips, str(tmp_path), ["default", "trusted", "registered"])
     assert "test_checkpoint_trust.Epoch" in refused["error"] and "weights_only=False" in refused["error"]

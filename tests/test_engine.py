@@ -14,6 +14,7 @@ from torch import nn
 
 import zero3
 from tests import models
+from tests.devices import ON_DEVICES, worlds_on_devices
 from tests.distributed import run_ranks
 
 
@@ -75,15 +76,15 @@ def state_bytes(rank: int, world: int, threshold: int) -> dict:
     numel = sum(p._zero3.numel for p in model.parameters())  # true sizes (the params are released)
     engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=config)
     x, y = models.batches("tokens", 1, 4)[0]
-    engine.backward(engine(x, y))
+    engine.backward(engine(x.to(engine.device), y.to(engine.device)))
     engine.step()
     result = {"bytes": engine.model_state_bytes(), "numel": numel}
     engine.destroy()
     return result
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_model_state_is_16P_over_N(world: int) -> None:
+@worlds_on_devices(1, 2)
+def test_model_state_is_16P_over_N(world: int, device: str) -> None:
     for result in run_ranks(world, state_bytes, 0):
         expected = 16 * result["numel"] / world
         states = result["bytes"]
@@ -211,17 +212,18 @@ def world_of_one(rank: int, world: int) -> dict:
 
     model.fc2.register_forward_pre_hook(watch)
     for x, y in models.batches("x8", 2, 4):
-        engine.backward(engine(x, y))
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
         engine.step()
     with zero3.GatheredParameters([model.fc1.bias], modifier_rank=0):
         with torch.no_grad():
             model.fc1.bias.fill_(3.0)
-    master = zero3.safe_get_full_fp32_param(model.fc1.bias).clone()
+    master = zero3.safe_get_full_fp32_param(model.fc1.bias).clone().cpu()
     engine.destroy()
     return {"gathers": len(gathers), "inside": inside, "master": master}
 
 
-def test_a_world_of_one_gathers_nothing_its_parameters_view_the_shards() -> None:
+@ON_DEVICES
+def test_a_world_of_one_gathers_nothing_its_parameters_view_the_shards(device: str) -> None:
     (result,) = run_ranks(1, world_of_one)
     assert result["gathers"] == 0
     assert result["inside"] == [True, True]
@@ -300,13 +302,14 @@ def logged(rank: int, world: int) -> list[str]:
     model = models.MLP()
     engine, *_ = zero3.initialize(model=model, config=config)
     for x, y in models.batches("x8", 4, 4):
-        engine.backward(engine(x, y))
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
         engine.step()
     engine.destroy()
     return records
 
 
-def test_ignored_keys_warn_once_and_progress_is_logged() -> None:
+@ON_DEVICES
+def test_ignored_keys_warn_once_and_progress_is_logged(device: str) -> None:
     records = run_ranks(1, logged)[0]
     warnings = [r for r in records if r.startswith("WARNING")]
     for key in ("zero_optimization.stage3_max_reuse_distance=1000", "zero_optimization.contiguous_gradients=false",
@@ -320,11 +323,11 @@ def test_ignored_keys_warn_once_and_progress_is_logged() -> None:
 
 
 # ---- teardown ---------------------------------------------------------------------
-def test_destroy_removes_hooks_and_frees_everything() -> None:
+def destroy_and_collect(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = models.MLP()
     engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
-    x, y = models.batches("x8", 1, 4)[0]
+    x, y = (t.to(engine.device) for t in models.batches("x8", 1, 4)[0])
     engine.backward(engine(x, y))
     engine.step()
     engine.destroy()
@@ -339,19 +342,27 @@ def test_destroy_removes_hooks_and_frees_everything() -> None:
     assert engine_ref() is None and model_ref() is None
 
 
+@ON_DEVICES
+def test_destroy_removes_hooks_and_frees_everything(device: str) -> None:
+    # In a rank of its own, not in pytest's process: the engine would leave its default process group
+    # there, and a gloo group makes a later CUDA engine pick the CPU (an nccl one, a later CPU engine fail).
+    run_ranks(1, destroy_and_collect)
+
+
 # ---- process group and errors -----------------------------------------------------------
-def test_plain_process_without_launcher_is_a_world_of_one() -> None:
+@ON_DEVICES
+def test_plain_process_without_launcher_is_a_world_of_one(device: str) -> None:
     script = (
         "import torch, zero3; from torch import nn\n"
         "m = nn.Linear(4, 2)\n"
         "e, o, _, s = zero3.initialize(model=m, model_parameters=m.parameters(), config={'optimizer': {'type': 'Adam'}})\n"
-        "l = e(torch.randn(3, 4)).sum(); e.backward(l); e.step()\n"
-        "print('world', e.world_size, e.global_rank, e.global_steps)\n"
+        "l = e(torch.randn(3, 4, device=e.device)).sum(); e.backward(l); e.step()\n"
+        "print('world', e.world_size, e.global_rank, e.global_steps, e.device.type)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "world 1 0 1" in out.stdout
+    assert f"world 1 0 1 {device}" in out.stdout  # on CUDA where the device is not pinned to the CPU
 
 
 def errors(rank: int, world: int) -> list[str]:
@@ -368,14 +379,15 @@ def errors(rank: int, world: int) -> list[str]:
             messages.append(str(err))
     engine, *_ = zero3.initialize(model=nn.Linear(4, 2), config=cfg())
     try:
-        engine.backward(engine(torch.randn(3, 4)))
+        engine.backward(engine(torch.randn(3, 4, device=engine.device)))
     except ValueError as err:
         messages.append(str(err))
     engine.destroy()
     return messages
 
 
-def test_misuse_gives_clear_errors() -> None:
+@ON_DEVICES
+def test_misuse_gives_clear_errors(device: str) -> None:
     messages = run_ranks(1, errors)[0]
     assert len(messages) == 4, messages
     assert "client optimizer (SGD)" in messages[0]

@@ -23,6 +23,7 @@ from tests import models
 from tests.distributed import run_ranks
 from tests.memory import peak_extra_bytes
 from zero3 import OffloadStateType
+from zero3.accelerator import DEVICE_VARIABLES
 
 STEPS = 2
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "generator_weights.py"
@@ -57,8 +58,9 @@ def build(precision: str, root: str, tier: str = "none", **sizes: int) -> tuple[
 
 
 def stream(engine: zero3.ZeroEngine, **kwargs: Any) -> dict[str, torch.Tensor]:
-    """The stream, copied as a consumer must (each tensor is valid only until the next is asked for)."""
-    return {name: tensor.clone() for name, tensor in engine.iter_full_params(**kwargs)}
+    """The stream, copied as a consumer must (each tensor is valid only until the next is asked for), to the
+    host: it compares with the plain CPU module whatever device the engine is on."""
+    return {name: tensor.to("cpu", copy=True) for name, tensor in engine.iter_full_params(**kwargs)}
 
 
 def gathered_masters(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
@@ -68,7 +70,8 @@ def gathered_masters(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    """Same names, dtypes and values (compared on the host: one side may be on the engine's device)."""
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
 def where(engine: zero3.ZeroEngine) -> tuple[dict, dict]:
@@ -126,6 +129,7 @@ def scenarios(rank: int, world: int, root: str) -> dict:
     # 1. Before training: the plain module's state_dict, bit for bit (fp32, and bf16 as the engine rounds).
     for precision in ("fp32", "bf16"):
         engine, reference = build(precision, root)
+        out["device"] = str(engine.device)  # where lp_params rests when it is not parked
         expected = {name: value.to(engine.compute_dtype) for name, value in reference.state_dict().items()}
         got = stream(engine)
         out[f"fresh/{precision}"] = {
@@ -336,14 +340,27 @@ def example(rank: int, world: int, root: str) -> dict:
         "sglang": same({k: sglang.weights[k] for k in expected}, expected) and len(sglang.weights) == len(expected),
         "sent_sglang": sent_sglang, "buckets": len(sglang.calls),
         "flush_flags": [flag for _, flag in sglang.calls], "flushed": sglang.flushed,
-        "fp32": all(v.dtype == torch.float32 and torch.equal(v, expected[k].float()) for k, v in fp32.weights.items()),
+        "fp32": all(v.dtype == torch.float32 and torch.equal(v.cpu(), expected[k].float())
+                    for k, v in fp32.weights.items()),
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(scope="module", params=[
+    pytest.param((1, "cpu"), id="world1"), pytest.param((2, "cpu"), id="world2"),
+    pytest.param((1, "cuda"), id="world1-cuda", marks=pytest.mark.cuda),  # two nccl ranks cannot share a GPU
+])
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    world, device = request.param
+    # A module fixture is set up before conftest pins (or skips) each test: it does both here itself.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch sees none on this machine)")
     root = tmp_path_factory.mktemp("full_params")
-    return run_ranks(request.param, scenarios, str(root))
+    with pytest.MonkeyPatch.context() as patch:
+        for variable in DEVICE_VARIABLES:
+            patch.delenv(variable, raising=False)
+        if device == "cpu":
+            patch.setenv(DEVICE_VARIABLES[0], "cpu")
+        return run_ranks(world, scenarios, str(root))
 
 
 # ---- the tests --------------------------------------------------------------------------------------------
@@ -420,8 +437,9 @@ def test_parked_states_stay_parked_and_the_stream_is_unchanged(results: list[dic
             # read from the file where it rests, each shard once (twice: the stream, then the cast one's
             # single parameter), never the whole state reloaded
             assert parked["lp_bytes"] <= entry["bytes_read"] < 2 * parked["lp_bytes"]
-        else:
-            assert entry["lp_devices"] == ["cpu"] and entry["bytes_read"] == 0
+        else:  # in host memory when parked there, else where it rests (the engine's device)
+            assert entry["lp_devices"] == ["cpu" if case == "lp_cpu" else result["device"]]
+            assert entry["bytes_read"] == 0
         if case.startswith("not_lp_nvme") or case.startswith("all_nvme"):
             assert {"hp_params", "lp_grads", "optim_states"} <= set(entry["offloaded"])
 
@@ -451,6 +469,8 @@ def test_peak_extra_memory_is_within_the_largest_unit(results: list[dict]) -> No
     parameter. At world 2 gloo also stages each all-gather in a buffer of its own inside
     the call (NCCL does not): reported beside, as "all".
     """
+    if results[0]["device"] != "cpu":
+        pytest.skip("the profiler's record of host allocations measures a CPU engine's stream only")
     for world, result in ((len(results), r) for r in results):
         memory = result["memory"]
         largest = memory["largest_unit_bytes"]

@@ -11,6 +11,7 @@ import torch
 
 import zero3
 from tests import models
+from tests.devices import ON_DEVICES, worlds_on_devices
 from tests.distributed import run_ranks
 from zero3.runtime.grad_reducer import MIN_BUCKETS
 
@@ -45,7 +46,7 @@ def measure(rank: int, world: int, bucket: int) -> dict:
 
     reducer.add = watched_add
     for x, y in models.batches("tokens", 3, 4 * world):
-        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.backward(engine(x.chunk(world)[rank].to(engine.device), y.chunk(world)[rank].to(engine.device)))
         engine.step()
     element = torch.empty(0, dtype=reducer.dtype).element_size()
     largest = max(sp.padded_numel for sp in engine.sharded_params)
@@ -66,8 +67,8 @@ def measure(rank: int, world: int, bucket: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int) -> None:
+@worlds_on_devices(1, 2)
+def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int, device: str) -> None:
     for result in run_ranks(world, measure, BUCKET):
         assert result["buckets"] > 2 and result["slots"] == 2
         assert result["scratch_bytes"] == 2 * result["capacity_bytes"]
@@ -78,7 +79,8 @@ def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int)
             assert result["fresh"] == 0  # nothing in flight there: a slot is always free
 
 
-def test_a_bucket_larger_than_the_model_still_cuts_it_in_several() -> None:
+@ON_DEVICES
+def test_a_bucket_larger_than_the_model_still_cuts_it_in_several(device: str) -> None:
     # DeepSpeed's default bucket holds this model many times: buckets of a MIN_BUCKETS-th of it instead,
     # so reductions overlap the backward and the scratch is half the model's gradients, not all of them.
     (result,) = run_ranks(1, measure, 500_000_000)

@@ -7,10 +7,15 @@ import torch
 from torch import nn
 
 import zero3
+from tests.devices import on_host
 from tests.distributed import run_ranks
 
 CFG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+# At two ranks on the CPU, and at one on CUDA (two nccl ranks cannot share a GPU), where Init builds on the device.
+TWO_RANKS_OR_ONE_GPU = pytest.mark.parametrize(("world", "device"), [
+    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
 
 
 class Child(nn.Module):
@@ -68,8 +73,6 @@ class GatheringParent(nn.Module):
 def build_and_compare(rank: int, world: int, cls_name: str) -> dict:
     cls = {"reinit": ReinitParent, "gathering": GatheringParent}[cls_name]
     torch.manual_seed(7)
-    reference = cls() if cls_name == "reinit" else None
-    torch.manual_seed(7)
     with zero3.Init(config=CFG):
         model = cls()
     released = all(p.numel() == 0 for p in model.parameters())
@@ -78,15 +81,21 @@ def build_and_compare(rank: int, world: int, cls_name: str) -> dict:
     engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=CFG)
     fulls = {n: zero3.safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
     diffs = {}
-    if reference is not None:
+    if cls_name == "reinit":
+        # Built where Init built it (the engine's device), from the same seed: the same generator draws the
+        # same values (a CPU reference would not match a model Init built on CUDA).
+        torch.manual_seed(7)
+        with torch.device(engine.device):
+            reference = cls()
         diffs = {n: (fulls[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()}
     engine.destroy()
-    return {"released": released, "statuses": statuses, "diffs": diffs, "fulls": fulls,
+    return {"released": released, "statuses": statuses, "diffs": diffs, "fulls": on_host(fulls),
             "shard_elems": shard_elems, "total": sum(f.numel() for f in fulls.values())}
 
 
-def test_parent_constructor_writes_take_effect_exactly() -> None:
-    for result in run_ranks(2, build_and_compare, "reinit"):
+@TWO_RANKS_OR_ONE_GPU
+def test_parent_constructor_writes_take_effect_exactly(world: int, device: str) -> None:
+    for result in run_ranks(world, build_and_compare, "reinit"):
         assert result["released"], "parameters must be partitioned when the constructor returns"
         assert result["statuses"] == {zero3.ParamStatus.NOT_AVAILABLE}
         # Same seed, same values as a model built without Init: every write landed.
@@ -96,14 +105,18 @@ def test_parent_constructor_writes_take_effect_exactly() -> None:
         assert result["fulls"]["a.norm.bias"].eq(0.125).all()
         assert result["fulls"]["a.fc.bias"].eq(0.75).all()
         assert result["fulls"]["b.fc.bias"].eq(-0.5).all()
-        # Each rank holds about half of the elements.
-        assert result["shard_elems"] <= result["total"] // 2 + 16
+        # Each rank holds about its share of the elements.
+        assert result["shard_elems"] <= result["total"] // world + 16
 
 
-def test_gathered_parameters_modifier_rank_inside_init() -> None:
-    results = run_ranks(2, build_and_compare, "gathering")
+@TWO_RANKS_OR_ONE_GPU
+def test_gathered_parameters_modifier_rank_inside_init(world: int, device: str) -> None:
+    results = run_ranks(world, build_and_compare, "gathering")
     for result in results:
-        assert torch.equal(result["fulls"]["child.fc.weight"], torch.arange(120.0).view(10, 12) / 100)
+        # The constructor's arange ran on Init's device; CUDA divides by a scalar through its reciprocal,
+        # so the expected value is computed there too.
+        expected = (torch.arange(120.0, device=device).view(10, 12) / 100).cpu()
+        assert torch.equal(result["fulls"]["child.fc.weight"], expected)
         assert result["fulls"]["child.fc.bias"].eq(-1.0).all()
 
 

@@ -18,6 +18,7 @@ import torch
 
 import zero3
 from tests import models
+from tests.devices import ON_DEVICES
 from tests.distributed import run_ranks
 from zero3 import OffloadStateType
 
@@ -48,7 +49,7 @@ def build(rank: int, world: int, **extra: Any) -> tuple[zero3.ZeroEngine, torch.
 
 def micro_step(engine: zero3.ZeroEngine, batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> float:
     x, y = batch
-    loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    loss = engine(x.chunk(world)[rank].to(engine.device), y.chunk(world)[rank].to(engine.device))
     engine.backward(loss)
     return loss.item()
 
@@ -195,9 +196,13 @@ def loss_sequences(rank: int, world: int, root: str, offload: bool) -> list[floa
     return losses
 
 
-def test_offloading_between_every_step_gives_the_same_losses(tmp_path: Path) -> None:
-    plain = run_ranks(WORLD, loss_sequences, str(tmp_path), False)
-    offloaded = run_ranks(WORLD, loss_sequences, str(tmp_path), True)
+@pytest.mark.parametrize(("world", "device"), [  # two ranks cannot share one GPU: a world of one on CUDA
+    pytest.param(WORLD, "cpu", id=f"{WORLD}-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
+])
+def test_offloading_between_every_step_gives_the_same_losses(tmp_path: Path, world: int, device: str) -> None:
+    # On CUDA device "cpu" moves the states to (pinned) host memory and back, mid-accumulation too.
+    plain = run_ranks(world, loss_sequences, str(tmp_path), False)
+    offloaded = run_ranks(world, loss_sequences, str(tmp_path), True)
     assert plain == offloaded
     assert len(set(plain[0])) > 1
 
@@ -275,7 +280,10 @@ def released_on_return(rank: int, world: int, root: str) -> dict:
     return {"scratch": (scratch_before, scratch_after), "late": late}
 
 
-def test_a_disk_offload_frees_memory_before_it_returns_and_reload_makes_no_new_bucket(tmp_path: Path) -> None:
+@ON_DEVICES
+def test_a_disk_offload_frees_memory_before_it_returns_and_reload_makes_no_new_bucket(
+    tmp_path: Path, device: str
+) -> None:
     (result,) = run_ranks(1, released_on_return, str(tmp_path))
     assert result["scratch"] == (0, 0)
     assert result["late"] == 0

@@ -12,11 +12,17 @@ from torch import nn
 
 import zero3
 from tests import models
+from tests.devices import ON_DEVICES
 from tests.distributed import run_ranks
 from zero3.optim import Lion
 
 MICRO, STEPS, CLIP = 4, 4, 1.0
 Factory = Callable[[Any], torch.optim.Optimizer]
+# The world of two on the CPU, and a world of one on CUDA (two ranks cannot share one GPU): the client's
+# step then runs on the device's tensors, against the CPU reference (to 1e-5, not bit for bit).
+TWO_OR_CUDA = pytest.mark.parametrize(("world", "device"), [
+    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
+])
 
 
 class ElementwiseSGD(torch.optim.SGD):
@@ -86,7 +92,7 @@ def zero3_run(rank: int, world: int, data: list, engine_of: Callable[[nn.Module]
     model = models.MLP()
     engine = engine_of(model)
     losses = models.mean_losses(engine, rank, world, data)
-    full = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+    full = [models.full_value(p).clone() for p in model.parameters()]  # on the host, beside the reference
     engine.destroy()
     return losses, full
 
@@ -112,8 +118,9 @@ def clients_train(rank: int, world: int, names: list[str]) -> dict[str, dict]:
     return out
 
 
-def test_every_elementwise_client_optimizer_matches_torch() -> None:
-    for result in run_ranks(2, clients_train, list(CLIENTS)):
+@TWO_OR_CUDA
+def test_every_elementwise_client_optimizer_matches_torch(world: int, device: str) -> None:
+    for result in run_ranks(world, clients_train, list(CLIENTS)):
         for name, errors in result.items():
             assert errors["loss_error"] <= 1e-5, (name, errors)
             assert errors["param_error"] <= 1e-5, (name, errors)
@@ -170,19 +177,21 @@ def config_types_train(rank: int, world: int, names: list[str], zero: dict) -> d
     return out
 
 
-def test_config_types_match_torch() -> None:
-    for result in run_ranks(2, config_types_train, list(CONFIG_TYPES), {}):
+@TWO_OR_CUDA
+def test_config_types_match_torch(world: int, device: str) -> None:
+    for result in run_ranks(world, config_types_train, list(CONFIG_TYPES), {}):
         for name, errors in result.items():
             assert errors["loss_error"] <= 1e-5, (name, errors)
             assert errors["param_error"] <= 1e-5, (name, errors)
 
 
+@TWO_OR_CUDA
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
-def test_other_optimizers_on_the_offload_tiers(tier: str, tmp_path) -> None:
+def test_other_optimizers_on_the_offload_tiers(tier: str, tmp_path, world: int, device: str) -> None:
     """The tiers keep whatever states the optimizer has (RMSprop centered with momentum: three; Adagrad's
     sum, made in its constructor)."""
     zero = {"offload_optimizer": {"device": tier, **({"nvme_path": str(tmp_path)} if tier == "nvme" else {})}}
-    for result in run_ranks(2, config_types_train, ["RMSprop-centered", "SGD", "Adagrad"], zero):
+    for result in run_ranks(world, config_types_train, ["RMSprop-centered", "SGD", "Adagrad"], zero):
         for name, errors in result.items():
             assert errors["loss_error"] <= 1e-5, (name, errors)
             assert errors["param_error"] <= 1e-5, (name, errors)
@@ -203,14 +212,14 @@ def client_state_and_live_groups(rank: int, world: int) -> dict:
     client.zero_grad()
     engine = zero3.initialize(model=model, optimizer=client, config=config(world))[0]
     losses = models.mean_losses(engine, rank, world, data[1:])
-    full = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+    full = [models.full_value(p).clone() for p in model.parameters()]  # on the host, beside the reference
     result = compare(losses, full, reference_run_after(make, data))
     # lr 0 in every group: a plain SGD step with momentum still moves (the buffer); zero the momentum too.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
     before = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
     x, y = data[-1]
-    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    engine.backward(engine(x.chunk(world)[rank].to(engine.device), y.chunk(world)[rank].to(engine.device)))
     engine.step()
     result["moved_at_lr_0"] = any(
         not torch.equal(b, zero3.safe_get_full_fp32_param(p)) for b, p in zip(before, model.parameters()))
@@ -224,8 +233,9 @@ def reference_run_after(make: Factory, data: list) -> tuple[list[float], nn.Modu
     return losses[1:], model
 
 
-def test_a_client_optimizers_state_is_taken_over_and_param_groups_are_live() -> None:
-    for result in run_ranks(2, client_state_and_live_groups):
+@TWO_OR_CUDA  # on CUDA the state the client made on the host is taken over onto the device
+def test_a_client_optimizers_state_is_taken_over_and_param_groups_are_live(world: int, device: str) -> None:
+    for result in run_ranks(world, client_state_and_live_groups):
         assert result["loss_error"] <= 1e-5 and result["param_error"] <= 1e-5, result
         assert result["moved_at_lr_0"] is False
         assert result["lrs"] == [0.0, 0.0]
@@ -252,7 +262,8 @@ def refused(rank: int, world: int, case: str) -> str:
     ("undeclared", "UndeclaredAdam is not an elementwise optimizer"),
     ("both", "a client optimizer (SGD) was passed beside the config's 'optimizer' section"),
 ])
-def test_refused_client_optimizers_name_the_problem(case: str, expected: str) -> None:
+@ON_DEVICES
+def test_refused_client_optimizers_name_the_problem(case: str, expected: str, device: str) -> None:
     (message,) = run_ranks(1, refused, case)
     assert expected in message
 
@@ -340,3 +351,19 @@ def test_a_checkpoint_keeps_which_parameters_have_optimizer_state(tmp_path) -> N
     keys = set(FileSystemReader(str(tmp_path / "t")).read_metadata().state_dict_metadata)
     assert {"optim.a.weight.momentum_buffer", "optim.a.bias.momentum_buffer"} <= keys
     assert not any(key.startswith("optim.b.") for key in keys)
+
+
+def test_a_fused_kernel_is_chosen_only_for_the_devices_torch_has_it_for() -> None:
+    """Adagrad's fused kernel is host-only, and torch says so only at the first step (on CUDA it raised
+    there); Adam's is on every device. A parameter on another device (meta here, CUDA on a GPU) makes
+    Adagrad foreach instead."""
+    from zero3.optim import spec as optimizer_spec
+
+    for device, fused in [("cpu", True), ("meta", False)]:
+        params = [torch.nn.Parameter(torch.zeros(4, device=device))]
+        adagrad = optimizer_spec.OptimizerSpec(torch.optim.Adagrad, {"lr": 0.1})
+        _, chosen = optimizer_spec.build(adagrad, [{"params": params}])
+        assert chosen is fused, device
+    _, chosen = optimizer_spec.build(optimizer_spec.OptimizerSpec(torch.optim.AdamW, {"lr": 0.1}),
+                                     [{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}])
+    assert chosen

@@ -10,6 +10,7 @@ import torch.utils.checkpoint
 
 import zero3
 from tests import models
+from tests.devices import to_device, worlds_on_devices
 from tests.distributed import run_ranks
 
 MODELS = {
@@ -56,12 +57,19 @@ def train_and_compare(
     else:
         model = cls()
     engine, _, _, _ = zero3.initialize(model=model, model_parameters=param_groups(model, grouped), config=cfg)
+    if use_init:
+        # Init built the model on the engine's device, from that device's generator (CUDA's draws differ
+        # from the CPU's): the reference is built there from the same seed, then trained on the host.
+        torch.manual_seed(0)
+        with torch.device(engine.device):
+            reference = cls()
+        reference = reference.cpu()
     data = models.batches(kind, steps, MICRO * gas * world)
     losses = []
     states = set()  # between micro-steps
     for x, y in data:
-        step_loss = torch.zeros(1)
-        xs, ys = x.chunk(gas * world), y.chunk(gas * world)
+        step_loss = torch.zeros(1, device=engine.device)  # nccl reduces device tensors
+        xs, ys = to_device((x.chunk(gas * world), y.chunk(gas * world)), engine.device)
         for k in range(gas):
             piece = k * world + rank
             if checkpoint_root:  # the whole forward runs again inside backward (reentrant: under no_grad first)
@@ -105,9 +113,9 @@ def _rel_errors(result: dict) -> list[float]:
     return [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], result["reference"])]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@worlds_on_devices(1, 2)
 @pytest.mark.parametrize("name", ["mlp", "tied_transformer"])
-def test_fp32_loss_parity(world: int, name: str) -> None:
+def test_fp32_loss_parity(world: int, device: str, name: str) -> None:
     results = run_ranks(world, train_and_compare, name, "fp32", 6, 1, False, {})
     for result in results:
         assert len(result["losses"]) == 6
@@ -127,8 +135,8 @@ def test_fp32_parity_with_init_accumulation_prefetch_and_param_groups() -> None:
         assert result["param_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_bf16_loss_parity(world: int) -> None:
+@worlds_on_devices(1, 2)
+def test_bf16_loss_parity(world: int, device: str) -> None:
     results = run_ranks(world, train_and_compare, "tied_transformer", "bf16", 6, 1, True, {})
     for result in results:
         # bf16 keeps 8 bits of mantissa: losses agree to about 1%, and training goes down.
@@ -136,9 +144,9 @@ def test_bf16_loss_parity(world: int) -> None:
         assert result["losses"][-1] < result["losses"][0]
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@worlds_on_devices(1, 2)
 @pytest.mark.parametrize("name", ["dangling_bias", "attribute_tied", "dict_output", "none_output", "dataclass_output"])
-def test_output_shapes_and_external_params_train(world: int, name: str) -> None:
+def test_output_shapes_and_external_params_train(world: int, device: str, name: str) -> None:
     results = run_ranks(world, train_and_compare, name, "fp32", 5, 1, False, {})
     for result in results:
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])

@@ -36,7 +36,11 @@ def build() -> tuple[zero3.ZeroEngine, torch.nn.Module, torch.nn.Module]:
 def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     engine, model, plain = build()
-    x, y = models.batches("x8", 1, 2 * world)[0]
+    # Plain torch runs beside the engine, on its device: the step's comparison stays bit for bit (one
+    # elementwise kernel on both sides), and every value a setter gets is where the engine keeps its own.
+    device = engine.device
+    plain.to(device)
+    x, y = (t.to(device) for t in models.batches("x8", 1, 2 * world)[0])
     engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
     plain(x, y).backward()  # the whole batch: its mean loss's gradient is the ranks' average
 
@@ -50,7 +54,7 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # The step uses a gradient set in full: compare with torch's fused AdamW given the same gradient.
     # A released parameter holds no elements: its whole shape is ds_shape (DeepSpeed's attribute).
-    new_grad = torch.linspace(-1, 1, model.fc2.weight.ds_numel).view(model.fc2.weight.ds_shape)
+    new_grad = torch.linspace(-1, 1, model.fc2.weight.ds_numel, device=device).view(model.fc2.weight.ds_shape)
     zero3.safe_set_full_grad(model.fc2.weight, new_grad)
     zero3.safe_update_full_grad_vectorized([model.fc3.weight, model.fc1.weight], lambda g, p: g * 0.5)
     out["halved"] = torch.allclose(zero3.safe_get_full_grad(model.fc3.weight), 0.5 * grads["fc3.weight"])
@@ -67,21 +71,21 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
                          for (name, p), q in zip(model.named_parameters(), plain.parameters()) if p.requires_grad}
 
     # Optimizer state: set in full and locally, read back; the next step reads it.
-    exp_avg = torch.full(model.fc2.weight.ds_shape, 0.25)
+    exp_avg = torch.full(model.fc2.weight.ds_shape, 0.25, device=device)
     zero3.safe_set_full_optimizer_state(model.fc2.weight, exp_avg, "exp_avg")
     out["exp_avg"] = torch.equal(zero3.safe_get_full_optimizer_state(model.fc2.weight, "exp_avg"), exp_avg)
-    local = torch.full((model.fc3.weight.ds_tensor.numel(),), float(rank + 1))
+    local = torch.full((model.fc3.weight.ds_tensor.numel(),), float(rank + 1), device=device)
     zero3.safe_set_local_optimizer_state(model.fc3.weight, local, "exp_avg_sq")
     out["exp_avg_sq_local"] = torch.equal(zero3.safe_get_local_optimizer_state(model.fc3.weight, "exp_avg_sq"), local)
 
     # Parameters: a full value (a sharded weight, and a persistent bias gathered now), and each rank's shard
     # of a persistent bias; the next forward computes with them.
-    weight = torch.randn(model.fc2.weight.ds_shape, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(model.fc2.weight.ds_shape, generator=torch.Generator().manual_seed(3)).to(device)
     zero3.safe_set_full_fp32_param(model.fc2.weight, weight)
-    zero3.safe_set_full_fp32_param(model.fc2.bias, torch.full(model.fc2.bias.ds_shape, 0.5))
+    zero3.safe_set_full_fp32_param(model.fc2.bias, torch.full(model.fc2.bias.ds_shape, 0.5, device=device))
     start, end = model.fc3.bias.ds_tensor.numel() * rank, model.fc3.bias.ds_tensor.numel() * (rank + 1)
-    bias = torch.arange(8, dtype=torch.float32) / 8
-    shard = torch.zeros(model.fc3.bias.ds_tensor.numel())
+    bias = torch.arange(8, dtype=torch.float32, device=device) / 8
+    shard = torch.zeros(model.fc3.bias.ds_tensor.numel(), device=device)
     shard[: max(0, min(end, 8) - start)] = bias[start:end]
     zero3.safe_set_local_fp32_param(model.fc3.bias, shard)
     with torch.no_grad():
@@ -106,7 +110,7 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
     engine.reload_states()
     out["shape_error"] = ""
     try:
-        zero3.safe_set_full_fp32_param(model.fc2.weight, torch.zeros(3))
+        zero3.safe_set_full_fp32_param(model.fc2.weight, torch.zeros(3, device=device))
     except ValueError as error:
         out["shape_error"] = str(error)
     engine.destroy()
@@ -114,7 +118,8 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
     # Before a parameter's first step there is no optimizer state to set (torch creates it at that step).
     engine, model, _ = build()
     try:
-        zero3.safe_set_full_optimizer_state(model.fc2.weight, torch.zeros(model.fc2.weight.ds_shape), "exp_avg")
+        zero3.safe_set_full_optimizer_state(model.fc2.weight, torch.zeros(model.fc2.weight.ds_shape, device=device),
+                                            "exp_avg")
         out["unstepped"] = None
     except ValueError as error:
         out["unstepped"] = str(error)
@@ -122,9 +127,13 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+# At two ranks on the CPU, and at one on CUDA (two nccl ranks cannot share a GPU): there each rank's shard
+# is the whole parameter, but every getter and setter still goes through the device's copies.
 @pytest.mark.timeout(300)
-def test_the_safe_family_reads_and_writes_every_copy_at_two_ranks(tmp_path: Any) -> None:
-    for out in run_ranks(2, accessors, str(tmp_path)):
+@pytest.mark.parametrize(("world", "device"), [
+    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
+def test_the_safe_family_reads_and_writes_every_copy_at_two_ranks(tmp_path: Any, world: int, device: str) -> None:
+    for out in run_ranks(world, accessors, str(tmp_path)):
         assert all(out["grad_close"].values()), out["grad_close"]
         assert out["frozen"] == (None, None, None, None)
         assert out["halved"]
