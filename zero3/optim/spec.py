@@ -116,9 +116,11 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-# torch classes whose fused kernel is chosen when the caller chose no implementation. Not SGD's: it
-# fails on a group where some parameters have a momentum buffer and others not yet.
-FUSED_BY_DEFAULT = frozenset({"Adam", "AdamW", "Adagrad"})
+# torch classes whose fused kernel is chosen when the caller chose no implementation, and the device
+# types it has one for (None: every device torch's fused optimizers support). Not SGD's: it fails on a
+# group where some parameters have a momentum buffer and others not yet. Adagrad's is host-only, and
+# torch only says so at the first step.
+FUSED_BY_DEFAULT: dict[str, frozenset[str] | None] = {"Adam": None, "AdamW": None, "Adagrad": frozenset({"cpu"})}
 
 
 def build(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimizer, bool]:
@@ -132,7 +134,10 @@ def build(spec: OptimizerSpec, groups: list[dict[str, Any]]) -> tuple[torch.opti
     groups = [{**fixed, **group} for group in groups]
     chosen = any(kwargs.get(key) is not None for key in ("fused", "foreach")) or any(
         group.get(key) is not None for group in groups for key in ("fused", "foreach"))
-    by_default = spec.cls.__module__.startswith("torch.optim") and spec.cls.__name__ in FUSED_BY_DEFAULT
+    devices = {p.device.type for group in groups for p in group["params"]}
+    fused_on = FUSED_BY_DEFAULT.get(spec.cls.__name__, frozenset())
+    by_default = spec.cls.__module__.startswith("torch.optim") and spec.cls.__name__ in FUSED_BY_DEFAULT and (
+        fused_on is None or devices <= fused_on)
     if by_default and "fused" in accepts and not chosen and not kwargs.get("differentiable"):
         try:
             return spec.cls(groups, **{**kwargs, "fused": True}), True
