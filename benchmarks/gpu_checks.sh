@@ -11,6 +11,7 @@
 #   large    the same at 20 x 2304 (1.27B), without the profiler run
 #   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 vs DeepSpeed's
 #   profile  a torch.profiler trace of zero3 and DDP at 113M (the top ops, per engine)
+#   peakmem  the allocations alive at the device memory's peak, by allocating code, zero3 vs FSDP2 at 1.27B
 #   offload  gpu_offload.py at 1.27B, pinned ahead (engine.pin_offload_buffers) while 30 steps train:
 #            with the allocator's pinned allocation, then with registered pages
 #   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
@@ -62,6 +63,13 @@ for phase in "$@"; do
         --n-head 12 "${seq[@]}" --steps 10 --warmup 3 --trace "$work" --out "$work/step_profile.json" \
         > "$work/profile.log" 2>&1
       echo "rc $?"; tail -12 "$work/profile.log"; head -25 "$work"/*_trace.txt ;;
+    peakmem)
+      # Where the device memory goes at its peak (1.27B, zero3 vs FSDP2): allocations alive at the highest
+      # point, by the code that made them (<engine>_peak_memory.txt).
+      timeout "$(limit peakmem 120)" python3 benchmarks/step_time.py --engines zero3,fsdp2 --n-layer 20 \
+        --n-embd 2304 --n-head 18 "${seq[@]}" --steps 3 --warmup 2 --trace "$work" \
+        --out "$work/step_peakmem.json" > "$work/peakmem.log" 2>&1
+      echo "rc $?"; tail -8 "$work/peakmem.log"; cat "$work"/*_peak_memory.txt ;;
     offload)
       # The first offload's cost is page-locking the host buffers: pinned ahead in the background (the
       # steps train meanwhile), with the allocator's pinned allocation, then with registered pages.

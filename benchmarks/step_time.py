@@ -373,6 +373,8 @@ def worker(job: Job) -> dict[str, Any]:
 
     if job.trace_out and rank == 0:
         _trace(job, step, tokens, device, world)
+        if device.type == "cuda":
+            _peak_memory_sites(job, step, tokens, device, world)
     states = state_bytes()
     if profiler is not None:
         profiler.dump_stats(job.profile_out)
@@ -419,6 +421,74 @@ def _trace(job: Job, step: StepFn, tokens: torch.Tensor, device: torch.device, w
         lines.append(averages.table(sort_by="self_device_time_total", row_limit=25))
     lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
     Path(job.trace_out).write_text("\n".join(lines) + "\n")
+
+
+def _peak_memory_sites(job: Job, step: StepFn, tokens: torch.Tensor, device: torch.device, world: int) -> None:
+    """Two more steps with CUDA's allocation history recorded: what is allocated at the highest point, by
+    the code that allocated it (the innermost frame outside torch), written to <engine>_peak_memory.txt
+    beside the trace. What was allocated before (the model state, persistent buffers) is one line."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    generator = torch.Generator()
+    try:
+        for i in range(2):
+            generator.manual_seed(_batch_seed(job.seed, 20_000 + i))
+            x_all, y_all = sample_global_batch(tokens, job.model.block_size, job.micro_batch * world, generator)
+            step(x_all[: job.micro_batch].to(device), y_all[: job.micro_batch].to(device))
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snapshot["device_traces"][device.index]
+    peak, peak_index, by_site = peak_allocations(events, base)
+    lines = [
+        f"{job.engine}: peak {peak / 2**20:,.1f} MiB over two steps (max_memory_allocated "
+        f"{torch.cuda.max_memory_allocated(device) / 2**20:,.1f}); {base / 2**20:,.1f} MiB allocated before them",
+        f"the allocation that reached it: {_site(events[peak_index].get('frames', [])) if peak_index >= 0 else '-'}",
+        "alive at the peak, by allocating site (MiB):",
+    ]
+    for where, size in sorted(by_site.items(), key=lambda item: -item[1])[:25]:
+        lines.append(f"  {size / 2**20:>10,.1f}  {where}")
+    path = Path(job.trace_out).with_name(f"{job.engine}_peak_memory.txt")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """Where an allocation was made: the innermost frame outside torch, and the innermost frame's function."""
+    own = [f for f in frames if "/torch/" not in f["filename"] and "<" not in f["filename"]]
+    chosen = own[0] if own else (frames[0] if frames else {"filename": "?", "line": 0, "name": "?"})
+    inner = frames[0]["name"] if frames else "?"
+    return f"{Path(chosen['filename']).name}:{chosen['line']} {chosen['name']} ({inner})"
+
+
+def peak_allocations(events: list[dict[str, Any]], base: int) -> tuple[int, int, dict[str, int]]:
+    """Replays a CUDA allocation trace (torch.cuda.memory._snapshot()'s device_traces) from `base` bytes
+    allocated: the highest point, the index of the event that reached it, and the bytes alive then by
+    allocating site. A block freed in the trace but made before it counts against `base`."""
+
+    def replay(until: int | None) -> tuple[int, int, dict[int, tuple[int, list]]]:
+        live: dict[int, tuple[int, list]] = {}
+        current = peak = base
+        peak_index = -1
+        for index, event in enumerate(events[:until]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = (event["size"], event.get("frames", []))
+                current += event["size"]
+                if current > peak:
+                    peak, peak_index = current, index
+            elif event["action"] == "free_completed":
+                held = live.pop(event["addr"], None)
+                current -= held[0] if held is not None else event["size"]
+        return peak, peak_index, live
+
+    peak, peak_index, _ = replay(None)
+    _, _, at_peak = replay(peak_index + 1)  # the blocks alive right after the peak's allocation
+    by_site: dict[str, int] = {}
+    for size, frames in at_peak.values():
+        by_site[_site(frames)] = by_site.get(_site(frames), 0) + size
+    return peak, peak_index, by_site
 
 
 def _synchronize(device: torch.device) -> None:
@@ -596,6 +666,9 @@ def print_report(results: dict[str, Any], console: Any) -> None:
             table.add_row(name, *(["-"] * 7))
             notes.append(f"{name}: {res['error']}")
             continue
+        if res.get("failed_runs"):
+            notes.append(f"{name}: {len(res['failed_runs'])} run(s) failed, the figures are the other runs': "
+                         f"{res['failed_runs'][0]}")
         totals = [s.get("total") for s in res["model_state_bytes"]]
         table.add_row(
             name,
@@ -798,11 +871,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         runnable.append(name)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runnable}
+    failures: dict[str, list[str]] = {name: [] for name in runnable}
     for round_index in range(args.rounds):
         shift = round_index % max(len(runnable), 1)
         for name in runnable[shift:] + runnable[:shift]:  # rotated, so no engine always runs first
-            if name in results["engines"]:
-                continue  # failed in an earlier round
+            if failures[name] and not runs[name]:
+                continue  # it never ran: it will not now
             job = Job(engine=name, model=gpt, micro_batch=args.micro_batch, steps=args.steps,
                       warmup=args.warmup, seed=args.seed,
                       profile=args.profile and name == "zero3" and round_index == 0, profile_out=profile_path,
@@ -816,15 +890,21 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 msg = exc.format_msg() if hasattr(exc, "format_msg") else f"{type(exc).__name__}: {exc}"
                 console.print(f"[red]{name} failed[/red]:\n{msg}", markup=True, highlight=False)
-                results["engines"][name] = {"error": f"failed: {str(exc).splitlines()[0][:200]}"}
+                failures[name].append(f"failed: {str(exc).splitlines()[0][:200]}")
                 continue
             run = summarize(per_rank, tokens_per_step)
             run["launch_wall_s"] = time.perf_counter() - t0
             runs[name].append(run)
     for name in runnable:
-        if name not in results["engines"]:
-            results["engines"][name] = combine(runs[name])
-    if args.breakdown:  # one more run each, profiled, kept out of the timings (the profiler slows a step)
+        # The runs that finished count (a later one killed, say, by a time limit, leaves them standing).
+        results["engines"][name] = combine(runs[name]) if runs[name] else {"error": failures[name][0]}
+        if runs[name] and failures[name]:
+            results["engines"][name]["failed_runs"] = failures[name]
+    results["ratios"] = ratios(results["engines"])
+    # Written now, and again after the profiled runs: a run cut short there keeps the timings.
+    args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if args.breakdown:
+        print_report(results, console)  # one more run each, profiled, kept out of the timings (the profiler slows a step)
         for name in runnable:
             if "error" in results["engines"][name]:
                 continue
@@ -833,8 +913,10 @@ def main(argv: list[str] | None = None) -> int:
                       reduce_bucket_size=args.reduce_bucket_size, prefetch_bucket_size=args.prefetch_bucket_size,
                       device=device, breakdown=True)
             console.print(f"profiling {name} ...")
-            results["engines"][name]["breakdown"] = summarize(launch(job, args.nproc), tokens_per_step)["breakdown"]
-    results["ratios"] = ratios(results["engines"])
+            try:
+                results["engines"][name]["breakdown"] = summarize(launch(job, args.nproc), tokens_per_step)["breakdown"]
+            except Exception as exc:
+                console.print(f"[red]profiling {name} failed[/red]: {str(exc).splitlines()[0][:200]}", markup=True)
 
     print_report(results, console)
     if args.memory:
