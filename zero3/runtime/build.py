@@ -78,10 +78,12 @@ class EngineParts:
     def state_buffers(self, state: OffloadStateType) -> list[FlatBuffer]:
         return state_buffers(self.lp_buffers, self.optimizer, state)
 
-    def refresh_gathered(self) -> None:
-        """Units still gathered (persistent, pinned) get the parameters' new values."""
+    def refresh_gathered(self, views_follow: bool = False) -> None:
+        """Units still gathered (persistent, pinned) get the parameters' new values. `views_follow`: the
+        shards were written in place (a step), so a unit whose parameters view its shard (a world of one)
+        has them already."""
         for unit in self.all_units:
-            if unit.state is not UnitState.SHARDED:
+            if unit.state is not UnitState.SHARDED and not (views_follow and unit.gathers_in_place):
                 unit.reshard()
                 unit.unshard()
 

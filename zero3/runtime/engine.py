@@ -306,7 +306,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             self._last_grad_norm = norm
             self._last_step_applied = stepped
             if stepped:
-                self.parts.refresh_gathered()
+                self.parts.refresh_gathered(views_follow=True)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:

@@ -35,6 +35,11 @@ all-reduce and then copies this rank's chunk out, on the calling thread. So
 on the CPU one helper thread waits on the reductions in order and says which
 have finished, and it is the only thread that calls `wait()` on them: the
 backward thread waits for the helper's answer instead.)
+In a world of one (no shard group, no replicas) there is nothing to reduce:
+a gradient goes straight into its region of `lp_grads` as it arrives, through
+the same rounding the bucket would give it (the communication dtype, then the
+scales), and no bucket is filled or sent. The scratch is still made, for the
+optimizer's step to borrow.
 A gradient that arrives for a bucket already sent (a parameter accumulated
 twice in one backward, as reentrant checkpointing can do) is reduced in one
 more round at the end, which every rank joins if any rank needs it.
@@ -144,6 +149,8 @@ class GradientReducer:
         self._where = {sp: (j, k) for j, bucket in enumerate(self.buckets) for k, sp in enumerate(bucket.params)}
         self.slots = slot_count(total, self.capacity, overlap)
         ranks = reduce.mesh.world_size  # the mean is over every rank's gradient, replicas included
+        self._alone = ranks == 1  # a world of one: gradients go straight to lp_grads (see the Note)
+        self._direct = False  # this pass's gradients do (set by begin: lp_grads must be beside them)
         self.pre_scale = 1.0 / ranks if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / ranks
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
@@ -231,12 +238,17 @@ class GradientReducer:
             return
         self._open = True
         self._pass_scale = scale
+        self._direct = self._alone and self.grads is not None and self.grads.buffer.device == self.device
         self._storage = [None] * len(self.buckets)
         self._placed = [[False] * len(b.params) for b in self.buckets]
         self._accounted = [[False] * len(b.params) for b in self.buckets]
         self._remaining = [len(b.params) for b in self.buckets]
         self._next = 0
         self._late = []
+        if self._direct:
+            self.allocate_scratch()  # lent to the optimizer's step, as after a bucketed pass
+            self._next = len(self.buckets)  # nothing to send: absent parameters simply add nothing
+            return
         for sp in absent:
             if sp in self._where:
                 self._account(*self._where[sp])
@@ -247,12 +259,30 @@ class GradientReducer:
             raise RuntimeError(f"parameter {sp.name} has a gradient but no gradient slot (frozen?)")
         self.begin()
         j, k = self._where[sp]
+        if self._direct:
+            self._add_direct(sp, grad)
+            return
         if j < self._next:
             self._late.append((sp, grad))
             return
         self._place(j, k, grad)
         self._account(j, k)
         self._send_ready()
+
+    def _add_direct(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """A world of one: the gradient, rounded as its bucket would round it, added to its lp_grads region."""
+        assert self.grads is not None
+        source = grad.reshape(-1)
+        if source.dtype != self.dtype:
+            source = source.to(self.dtype)  # the bucket's communication dtype
+        factor = self.pre_scale * self._pass_scale
+        if factor != 1.0:
+            source = source * factor
+        destination = self.grads.view(sp)
+        if self.post_scale != 1.0:
+            destination.add_(source, alpha=self.post_scale)
+        else:
+            destination.add_(source)
 
     @property
     def has_late(self) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from torch import nn
 from zero3.comm import Communicator
 from zero3.offload.disk import StepIOError
 from zero3.offload.optimizer_tier import OptimizerStates
-from zero3.partition.flat_buffer import Slot
+from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.optim import spec as optimizer_spec
 from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
@@ -81,6 +81,16 @@ def master_slots(sp: ShardedParam) -> MasterSlots | None:
 
 
 @dataclass
+class _ScalarSnapshot:
+    """Pieces without state (`fresh`), and the others' scalar state: 0-dim tensors stacked per name,
+    anything else (`loose`) copied one by one."""
+
+    fresh: list[nn.Parameter]
+    stacked: dict[str, tuple[list[nn.Parameter], torch.Tensor]]
+    loose: list[tuple[nn.Parameter, str, Any]]
+
+
+@dataclass
 class SubGroup:
     offset: int
     numel: int
@@ -88,6 +98,8 @@ class SubGroup:
     masters: list[nn.Parameter]  # one per piece
     group_index: int = 0  # its parameter group
     muon: bool = False  # its matrices step with Muon (zero3.optim.muon)
+    # Its pieces' runs in the 16-bit shard buffers: (buffer, offset there, offset here, elements).
+    lp_runs: list[tuple[FlatBuffer, int, int, int]] = field(default_factory=list)
 
 
 class ZeroOptimizer:
@@ -169,9 +181,10 @@ class ZeroOptimizer:
                 for piece, master in zip(run, masters):
                     self._masters_by_param.setdefault(piece.sp, []).append(master)
                 numel = sum(piece.numel for piece in run)
-                self.sub_groups.append(SubGroup(
-                    first.offset + run[0].start, numel, run, masters, group_index, bool(options.get("use_muon")),
-                ))
+                sub = SubGroup(first.offset + run[0].start, numel, run, masters, group_index,
+                               bool(options.get("use_muon")))
+                sub.lp_runs = _lp_runs(sub)
+                self.sub_groups.append(sub)
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
@@ -504,7 +517,7 @@ class ZeroOptimizer:
         self.agree_on_gradients(failed=True)
         peer_failure(self.comm, "step", failure)
 
-    def _abandon(self, before: list[tuple[nn.Parameter, dict[str, Any] | None]], put_back: Callable[[], None],
+    def _abandon(self, before: _ScalarSnapshot, put_back: Callable[[], None],
                  streamed: bool) -> None:
         """After a walk that failed on some rank: what the step changed here, put back where it can be."""
         self._restore_scalars(before)
@@ -594,27 +607,48 @@ class ZeroOptimizer:
                 slots.moments[name].write(sp.shard_of(full.to(dtype=torch.float32, device="cpu")))
             self.set_state(sp, {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state})
 
-    def _scalar_snapshot(self) -> list[tuple[nn.Parameter, dict[str, Any] | None]]:
-        snapshot = []
+    def _scalar_snapshot(self) -> _ScalarSnapshot:
+        """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
+        on some rank. The 0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not
+        one clone per piece: this runs at every step."""
+        fresh: list[nn.Parameter] = []
+        tensors: dict[str, tuple[list[nn.Parameter], list[torch.Tensor]]] = {name: ([], []) for name in self.scalar_names}
+        loose: list[tuple[nn.Parameter, str, Any]] = []
         for sub in self.sub_groups:
             for master in sub.masters:
-                state = self.optimizer.state[master]
                 if master in self._fresh:
-                    snapshot.append((master, None))
-                else:
-                    snapshot.append((master, {name: state[name].clone() if isinstance(state[name], torch.Tensor)
-                                              else state[name] for name in self.scalar_names if name in state}))
-        return snapshot
-
-    def _restore_scalars(self, snapshot: list[tuple[nn.Parameter, dict[str, Any] | None]]) -> None:
-        """After a failed walk: every piece's scalars (and whether it had state) as before the step."""
-        for master, scalars in snapshot:
-            state = self.optimizer.state[master]
-            if scalars is None:
-                state.clear()
-                self._fresh.add(master)
+                    fresh.append(master)
+                    continue
+                state = self.optimizer.state[master]
+                for name in self.scalar_names:
+                    if name not in state:
+                        continue
+                    value = state[name]
+                    if isinstance(value, torch.Tensor) and value.dim() == 0:
+                        tensors[name][0].append(master)
+                        tensors[name][1].append(value)
+                    else:
+                        loose.append((master, name, value.clone() if isinstance(value, torch.Tensor) else value))
+        stacked: dict[str, tuple[list[nn.Parameter], torch.Tensor]] = {}
+        for name, (masters, values) in tensors.items():
+            if not values:
+                continue
+            if len({(value.device, value.dtype) for value in values}) == 1:
+                stacked[name] = (masters, torch.stack(values))
             else:
-                state.update(scalars)
+                loose.extend((master, name, value.clone()) for master, value in zip(masters, values))
+        return _ScalarSnapshot(fresh, stacked, loose)
+
+    def _restore_scalars(self, snapshot: _ScalarSnapshot) -> None:
+        """After a failed walk: every piece's scalars (and whether it had state) as before the step."""
+        for master in snapshot.fresh:
+            self.optimizer.state[master].clear()
+            self._fresh.add(master)
+        for name, (masters, values) in snapshot.stacked.items():
+            for master, value in zip(masters, values.unbind()):
+                self.optimizer.state[master][name] = value.clone()  # its own storage, as torch made it
+        for master, name, value in snapshot.loose:
+            self.optimizer.state[master][name] = value
 
     def _fp32_grads(self, numel: int, device: torch.device) -> torch.Tensor:
         borrowed = self.borrow_scratch(numel * 4, device) if self.borrow_scratch is not None else None
@@ -623,13 +657,10 @@ class ZeroOptimizer:
         return torch.empty(numel, dtype=torch.float32, device=device)
 
     def _write_lp(self, sub: SubGroup, hp: torch.Tensor) -> None:
-        """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live."""
-        cursor = 0
-        for piece in sub.pieces:
-            lp = piece.sp.lp_slot
-            assert lp is not None
-            lp.buffer.write_range(lp.offset + piece.start, hp[cursor : cursor + piece.numel])
-            cursor += piece.numel
+        """The sub-group's new 16-bit shards, cast from its masters, wherever the shards live: one write
+        per run of pieces that lie end to end in one shard buffer (usually a unit's whole run)."""
+        for buffer, lp_offset, cursor, numel in sub.lp_runs:
+            buffer.write_range(lp_offset, hp[cursor : cursor + numel])
 
     def repair_lp(self) -> None:
         """After a step whose 16-bit shards were not all written: write them again from the masters."""
@@ -662,6 +693,24 @@ class ZeroOptimizer:
 
 
 NORM_CHUNK = 1 << 20
+
+
+def _lp_runs(sub: SubGroup) -> list[tuple[FlatBuffer, int, int, int]]:
+    """(shard buffer, offset in it, offset in the sub-group, elements) for each run of the sub-group's
+    pieces that are contiguous in one 16-bit shard buffer (shard slots never move)."""
+    merged: list[tuple[FlatBuffer, int, int, int]] = []
+    cursor = 0
+    for piece in sub.pieces:
+        lp = piece.sp.lp_slot
+        assert lp is not None
+        start = lp.offset + piece.start
+        if merged and merged[-1][0] is lp.buffer and merged[-1][1] + merged[-1][3] == start:
+            buffer, offset, first, numel = merged[-1]
+            merged[-1] = (buffer, offset, first, numel + piece.numel)
+        else:
+            merged.append((lp.buffer, start, cursor, piece.numel))
+        cursor += piece.numel
+    return merged
 
 
 def squared_norm(flat: torch.Tensor) -> torch.Tensor:
