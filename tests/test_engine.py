@@ -230,6 +230,44 @@ def test_a_world_of_one_gathers_nothing_its_parameters_view_the_shards(device: s
     assert result["master"].eq(3.0).all()  # an edit still reaches the fp32 master
 
 
+def world_of_one_gradients(rank: int, world: int) -> dict:
+    """Two micro-steps at a world of one: every gradient goes straight into lp_grads (nothing is
+    reduced), and what accumulates there is plain torch's accumulated gradient, bit for bit."""
+    from zero3.comm import Communicator
+
+    reductions = []
+    real = Communicator.reduce_scatter_flat
+
+    def counted(self: Communicator, *args: object, **kwargs: object) -> object:
+        reductions.append(1)
+        return real(self, *args, **kwargs)
+
+    Communicator.reduce_scatter_flat = counted  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    reference = models.MLP()
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(),
+                                  config=cfg(gradient_accumulation_steps=2))
+    same = {}
+    for micro, (x, y) in enumerate(models.batches("x8", 2, 4)):
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
+        (reference(x, y) / 2).backward()
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            same[f"{name}@{micro}"] = torch.equal(zero3.safe_get_local_grad(p).cpu(), ref.grad.reshape(-1))
+        engine.step()  # the first only accumulates; the second steps (and zeroes the gradients)
+    engine.destroy()
+    return {"reductions": len(reductions), "same": same}
+
+
+@ON_DEVICES
+def test_a_world_of_one_puts_gradients_straight_into_lp_grads(device: str) -> None:
+    (result,) = run_ranks(1, world_of_one_gradients)
+    assert result["reductions"] == 0  # no bucket was filled and sent
+    if device == "cpu":  # the same kernels as plain torch: bit for bit (CUDA's backward may differ)
+        assert all(result["same"].values()), result["same"]
+
+
 def edit_after_initialize(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()
