@@ -113,6 +113,8 @@ class OffloadMethods:
             parts.persistent_unit.reshard()  # re-gathered by the next forward
         if parts.optimizer is not None and states & {OffloadStateType.hp_params, OffloadStateType.optim_states}:
             parts.optimizer.unbind_views()
+        if parts.grads is not None and OffloadStateType.lp_grads in states:
+            parts.grads.forget_views()
 
     def _require_resident(self, what: str, needed: tuple[OffloadStateType, ...]) -> None:
         away = self.offloader.missing(needed)

@@ -278,7 +278,7 @@ class GradientReducer:
         factor = self.pre_scale * self._pass_scale
         if factor != 1.0:
             source = source * factor
-        destination = self.grads.view(sp)
+        destination = self.grads.cached_view(sp)
         if self.post_scale != 1.0:
             destination.add_(source, alpha=self.post_scale)
         else:

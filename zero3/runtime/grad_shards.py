@@ -32,6 +32,11 @@ class GradShards:
             _OWNER[sp] = self
         # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
         self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
+        # Each slot's view, made once per buffer tensor: a world of one adds every gradient through one,
+        # and a narrow per gradient was a tenth of the backward's host time. Dropped (forget_views) before
+        # the buffer moves, so no view keeps the old memory alive.
+        self._views: dict[ShardedParam, torch.Tensor] = {}
+        self._views_of: torch.Tensor | None = None
 
     @staticmethod
     def of(sp: ShardedParam) -> GradShards | None:
@@ -42,10 +47,26 @@ class GradShards:
         return sp in self.slots
 
     def view(self, sp: ShardedParam) -> torch.Tensor:
+        """A fresh view of the parameter's gradient shard (what the accessors hand out)."""
         return self.slots[sp].view()
 
+    def cached_view(self, sp: ShardedParam) -> torch.Tensor:
+        """The reducer's view of the slot, made once per buffer tensor (see forget_views)."""
+        tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
+        if tensor is not self._views_of:
+            self._views, self._views_of = {}, tensor
+        view = self._views.get(sp)
+        if view is None:
+            slot = self.slots[sp]
+            view = self._views[sp] = tensor.narrow(0, slot.offset, slot.numel)
+        return view
+
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
-        return [self.slots[sp].view() for sp in params]
+        return [self.cached_view(sp) for sp in params]
+
+    def forget_views(self) -> None:
+        """Drop the cached views (the buffer is about to move: they would keep its memory)."""
+        self._views, self._views_of = {}, None
 
     def mark_arrived(self, sp: ShardedParam) -> None:
         self.arrived[sp] = True
@@ -60,6 +81,7 @@ class GradShards:
 
     def close(self) -> None:
         """Forget the parameters (the engine is being destroyed)."""
+        self.forget_views()
         for sp in self.params:
             if _OWNER.get(sp) is self:
                 del _OWNER[sp]
