@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # By hand, on a lent GPU machine: the CUDA tests and the GPU benchmarks in one call.
 #   ../shared/tools/gpu-prep           # here, once: wheels into the git-ignored .gpu/
-#   run (carry [".gpu"]): source .gpu/setup.sh && bash benchmarks/gpu_checks.sh tests small large offload
+#   run (carry [".gpu"]): source .gpu/setup.sh && bash benchmarks/gpu_checks.sh tests small large peakmem offload
+#   (setup.sh also builds DeepSpeed from its sdist; installing only .gpu/whl/*.whl into /tmp/site and putting
+#   it and the checkout on PYTHONPATH is enough without DS=1)
 # Phases (any order, any subset), each under its own time limit (seconds: LIMIT_<phase>=N), so one
 # that hangs or runs long leaves the later ones their time:
 #   tests    pytest -m cuda (every test that runs on a device), on XDIST workers (default 8) when
