@@ -36,3 +36,12 @@ def worlds_on_devices(*sizes: int) -> pytest.MarkDecorator:
     if 1 in sizes:
         cases.append(pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda))
     return pytest.mark.parametrize(("world", "device"), cases)
+
+
+def cpu_ranks_or_one_gpu(world: int = 2) -> pytest.MarkDecorator:
+    """`world, device`: `world` ranks on the CPU, and a world of one on CUDA (two nccl ranks cannot share
+    one GPU), for a test whose point needs several ranks where they can run."""
+    return pytest.mark.parametrize(("world", "device"), [
+        pytest.param(world, "cpu", id=f"{world}-cpu"),
+        pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
+    ])

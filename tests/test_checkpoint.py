@@ -17,9 +17,8 @@ import torch
 
 import zero3
 from tests import models
-from tests.devices import worlds_on_devices
+from tests.devices import cpu_ranks_or_one_gpu, worlds_on_devices
 from tests.distributed import run_ranks
-from zero3.accelerator import DEVICE_VARIABLES
 
 STEPS = 6
 SAVED_AT = 3
@@ -61,8 +60,7 @@ def data() -> list:
 VARIANTS = ["fp32", "bf16", "fp16", "optimizer_cpu", "optimizer_nvme"]
 
 # A world-2 scenario on the CPU, and the same scenario at world 1 on CUDA (two nccl ranks cannot share one GPU).
-TWO_RANKS_OR_ONE_GPU = pytest.mark.parametrize(("world", "device"), [
-    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
+TWO_RANKS_OR_ONE_GPU = cpu_ranks_or_one_gpu(2)
 
 
 def deterministic(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -100,23 +98,15 @@ def resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def on_the_cpu(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """run_ranks for a module fixture: set up before conftest pins each test's device, so pinned here (its
-    world of 2 cannot share a GPU, and a `cuda` test reading its checkpoint would otherwise come first)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DEVICE_VARIABLES[0], "cpu")
-        return run_ranks(world, fn, *args)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     root = tmp_path_factory.mktemp("ckpt")
-    return str(root), on_the_cpu(2, train_and_save, str(root))
+    return str(root), run_ranks(2, train_and_save, str(root))  # on the CPU: the session is pinned there
 
 
 @pytest.fixture(scope="module")
 def resumed(saved: tuple[str, list[dict]]) -> list[dict]:
-    return on_the_cpu(2, resume, saved[0])
+    return run_ranks(2, resume, saved[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

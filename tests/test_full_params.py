@@ -351,15 +351,16 @@ def example(rank: int, world: int, root: str) -> dict:
 ])
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     world, device = request.param
-    # A module fixture is set up before conftest pins (or skips) each test: it does both here itself.
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (torch sees none on this machine)")
+    # A module fixture is set up under the session's CPU pin (tests/conftest.py), before a test's own
+    # unpinning or skip: the CUDA case unpins (or skips) here itself.
     root = tmp_path_factory.mktemp("full_params")
+    if device == "cpu":
+        return run_ranks(world, scenarios, str(root))
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch sees none on this machine)")
     with pytest.MonkeyPatch.context() as patch:
         for variable in DEVICE_VARIABLES:
             patch.delenv(variable, raising=False)
-        if device == "cpu":
-            patch.setenv(DEVICE_VARIABLES[0], "cpu")
         return run_ranks(world, scenarios, str(root))
 
 

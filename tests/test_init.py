@@ -7,15 +7,14 @@ import torch
 from torch import nn
 
 import zero3
-from tests.devices import on_host
+from tests.devices import cpu_ranks_or_one_gpu, on_host
 from tests.distributed import run_ranks
 
 CFG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 # At two ranks on the CPU, and at one on CUDA (two nccl ranks cannot share a GPU), where Init builds on the device.
-TWO_RANKS_OR_ONE_GPU = pytest.mark.parametrize(("world", "device"), [
-    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
+TWO_RANKS_OR_ONE_GPU = cpu_ranks_or_one_gpu(2)
 
 
 class Child(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 
 import zero3
 from tests import models
-from tests.devices import ON_DEVICES, worlds_on_devices
+from tests.devices import ON_DEVICES, cpu_ranks_or_one_gpu, worlds_on_devices
 from tests.distributed import run_ranks
 
 MICRO, STEPS, CLIP = 2, 4, 1e9  # a bound no step reaches: see the test
@@ -137,9 +137,7 @@ def test_muon_matches_torch_muon_and_adamw_on_the_same_split(world: int, device:
         assert within(result, world), result
 
 
-@pytest.mark.parametrize(("world", "device"), [  # two ranks cannot share one GPU: a world of one on CUDA
-    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
-])
+@cpu_ranks_or_one_gpu(2)
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_muon_on_the_optimizer_tiers(tier: str, tmp_path, world: int, device: str) -> None:
     """The momentum lives with the masters, in host memory or in files; the step is the same (on CUDA

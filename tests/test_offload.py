@@ -18,7 +18,7 @@ import torch
 
 import zero3
 from tests import models
-from tests.devices import ON_DEVICES
+from tests.devices import ON_DEVICES, cpu_ranks_or_one_gpu
 from tests.distributed import run_ranks
 from zero3 import OffloadStateType
 
@@ -196,9 +196,7 @@ def loss_sequences(rank: int, world: int, root: str, offload: bool) -> list[floa
     return losses
 
 
-@pytest.mark.parametrize(("world", "device"), [  # two ranks cannot share one GPU: a world of one on CUDA
-    pytest.param(WORLD, "cpu", id=f"{WORLD}-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
-])
+@cpu_ranks_or_one_gpu(WORLD)
 def test_offloading_between_every_step_gives_the_same_losses(tmp_path: Path, world: int, device: str) -> None:
     # On CUDA device "cpu" moves the states to (pinned) host memory and back, mid-accumulation too.
     plain = run_ranks(world, loss_sequences, str(tmp_path), False)

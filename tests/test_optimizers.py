@@ -12,7 +12,7 @@ from torch import nn
 
 import zero3
 from tests import models
-from tests.devices import ON_DEVICES
+from tests.devices import ON_DEVICES, cpu_ranks_or_one_gpu
 from tests.distributed import run_ranks
 from zero3.optim import Lion
 
@@ -20,9 +20,7 @@ MICRO, STEPS, CLIP = 4, 4, 1.0
 Factory = Callable[[Any], torch.optim.Optimizer]
 # The world of two on the CPU, and a world of one on CUDA (two ranks cannot share one GPU): the client's
 # step then runs on the device's tensors, against the CPU reference (to 1e-5, not bit for bit).
-TWO_OR_CUDA = pytest.mark.parametrize(("world", "device"), [
-    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda),
-])
+TWO_OR_CUDA = cpu_ranks_or_one_gpu(2)
 
 
 class ElementwiseSGD(torch.optim.SGD):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import zero3
 from tests import models
+from tests.devices import cpu_ranks_or_one_gpu
 from tests.distributed import run_ranks
 
 CONFIG = {
@@ -130,8 +131,7 @@ def accessors(rank: int, world: int, root: str) -> dict[str, Any]:
 # At two ranks on the CPU, and at one on CUDA (two nccl ranks cannot share a GPU): there each rank's shard
 # is the whole parameter, but every getter and setter still goes through the device's copies.
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world", "device"), [
-    pytest.param(2, "cpu", id="2-cpu"), pytest.param(1, "cuda", id="1-cuda", marks=pytest.mark.cuda)])
+@cpu_ranks_or_one_gpu(2)
 def test_the_safe_family_reads_and_writes_every_copy_at_two_ranks(tmp_path: Any, world: int, device: str) -> None:
     for out in run_ranks(world, accessors, str(tmp_path)):
         assert all(out["grad_close"].values()), out["grad_close"]
