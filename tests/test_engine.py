@@ -268,6 +268,53 @@ def test_a_world_of_one_puts_gradients_straight_into_lp_grads(device: str) -> No
         assert all(result["same"].values()), result["same"]
 
 
+def saved_tensors(rank: int, world: int) -> dict:
+    """How forward saves what backward reads: through the coordinator's saved-tensor hooks where a
+    released unit must be gathered again (world 2), by reference where every unit views its shard
+    (world 1: the units are held from forward to the end of backward instead)."""
+    from zero3.runtime.coordinator import ParamCoordinator
+
+    packed = []
+    real = ParamCoordinator._pack
+
+    def counted(self: ParamCoordinator, tensor: torch.Tensor) -> object:
+        packed.append(1)
+        return real(self, tensor)
+
+    ParamCoordinator._pack = counted  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    after_forward, after_step = set(), set()
+    for x, y in models.batches("x8", 2, 4 * world):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        after_forward |= {zero3.param_status(q) for q in model.parameters()}
+        engine.backward(loss)
+        engine.step()
+        after_step |= {zero3.param_status(q) for q in model.parameters()}
+    with torch.no_grad():  # records no graph: nothing is held for a backward
+        engine(x.to(engine.device), y.to(engine.device))
+    after_no_grad = {zero3.param_status(q) for q in model.parameters()}
+    engine.destroy()
+    return {"packed": len(packed), "after_forward": after_forward, "after_step": after_step,
+            "after_no_grad": after_no_grad}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_world_of_one_saves_for_backward_by_reference(world: int) -> None:
+    na, available = zero3.ParamStatus.NOT_AVAILABLE, zero3.ParamStatus.AVAILABLE
+    for result in run_ranks(world, saved_tensors):
+        if world == 1:
+            assert result["packed"] == 0
+            assert result["after_forward"] == {available}  # held for backward, which reads them by reference
+        else:
+            assert result["packed"] > 0
+            assert result["after_forward"] == {na}
+        assert result["after_step"] == {na}  # released when the backward ended, at either size
+        assert result["after_no_grad"] == {na}
+
+
 def edit_after_initialize(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()

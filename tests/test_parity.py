@@ -153,18 +153,21 @@ def test_output_shapes_and_external_params_train(world: int, device: str, name: 
         assert result["param_diff"] < 1e-5
 
 
+# A world of one runs forward without saved-tensor hooks (the coordinator's Note: saved by reference).
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", ["checkpointed", "frozen_layer"])
-def test_activation_checkpointing_and_frozen_params(name: str) -> None:
-    for result in run_ranks(2, train_and_compare, name, "fp32", 5, 1, True, {"stage3_prefetch_bucket_size": 4000}):
+def test_activation_checkpointing_and_frozen_params(world: int, name: str) -> None:
+    for result in run_ranks(world, train_and_compare, name, "fp32", 5, 1, True, {"stage3_prefetch_bucket_size": 4000}):
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name, checkpoint_root", [("gradient_penalty", False), ("mlp", True)])
-def test_nested_passes_train_exactly(name: str, checkpoint_root: bool) -> None:
+def test_nested_passes_train_exactly(world: int, name: str, checkpoint_root: bool) -> None:
     """A backward inside forward (a gradient penalty) and a forward inside backward (the root
     checkpointed): each pass ends where it began, and training matches plain PyTorch."""
-    for result in run_ranks(2, train_and_compare, name, "fp32", 4, 1, False, {}, False, checkpoint_root):
+    for result in run_ranks(world, train_and_compare, name, "fp32", 4, 1, False, {}, False, checkpoint_root):
         assert max(_rel_errors(result)) <= 1e-5, (name, result["losses"], result["reference"])
         assert result["param_diff"] < 1e-5
         assert {state.name for state in result["states"]} == {"IDLE"}

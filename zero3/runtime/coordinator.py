@@ -16,10 +16,24 @@ A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
   tensor is saved detached: saving the tensor itself would let an output hold
   its own graph node, a reference cycle that keeps a forward's activations
   alive after its output is dropped.
+  A world of one whose units all gather in place (their parameters view the
+  shards: nothing is freed on release) needs none of that: see [Note: saved
+  by reference].
 * the gather walk: every gather of a pass goes through that pass's lockstep
   walk (zero3.runtime.gather_walk), which also prefetches. Units it gathered
   ahead are held by the walk until claimed, or released when it needs room
   or the pass ends.
+
+[Note: saved by reference]
+Saved-tensor hooks cost a Python call per saved tensor in forward and another
+in backward, and make autograd's C++ call into Python each time: at a world
+of one with small layers, where the host's work per step is what the device
+waits for, a sixth of the step. When every unit gathers in place, releasing
+a unit frees nothing, so there is nothing to re-gather: forward runs without
+the hooks, and a unit acquired by a forward that records a graph is also held
+for backward (`Hold.BACKWARD`) until the backward ends, so the parameters that
+autograd saved by reference (itself, as it does leaves) still view their
+shards when backward reads them.
 
 A pass is a root forward, or a backward (begun by `engine.backward`, or by
 the first saved tensor or gradient of a plain `loss.backward()`). When one
@@ -149,6 +163,8 @@ class ParamCoordinator:
         self._handles: list[RemovableHandle] = []
         self._all_units = units + ([persistent_unit] if persistent_unit is not None else [])
         self._unit_of = {sp: unit for unit in self._all_units for sp in unit.params}
+        # See [Note: saved by reference].
+        self.saves_by_reference = all(unit.gathers_in_place for unit in units)
         for unit in self._all_units:
             unit.attach(self)
             for sp in unit.params:
@@ -209,6 +225,8 @@ class ParamCoordinator:
 
     def _acquire(self, unit: GatherUnit, frame: _Frame) -> None:
         unit.acquire(Hold.FORWARD)
+        if self.saves_by_reference and torch.is_grad_enabled():
+            unit.acquire(Hold.BACKWARD)  # backward reads its parameters as they are then
         frame.held.append(unit)
         self.used_since_backward.add(unit)
         self.fetch(unit)
@@ -240,7 +258,7 @@ class ParamCoordinator:
             self._walk = self.forward_walk
             self.forward_walk.begin()
         self._frames.append(_Frame(module, []))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.saves_by_reference:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
 
@@ -352,7 +370,8 @@ class ParamCoordinator:
         if self._walk is None:
             self._walk = self.backward_walk
             self.backward_walk.begin()
-        self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit, self._grads))}
+        if not self.saves_by_reference:  # else every unit is held to the end (see the Note)
+            self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit, self._grads))}
 
     def grad_arrived(self, unit: GatherUnit) -> None:
         """A gradient of one of the unit's parameters has been accumulated; after its last one,
