@@ -48,6 +48,11 @@ class BackwardPass:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._post_accumulate(sp, unit)))
 
     def _post_accumulate(self, sp: ShardedParam, unit: GatherUnit):
+        # Runs once per parameter per backward: what can be looked up now is (a world of one's host time).
+        grads, reducer, coordinator = self.grads, self.reducer, self.coordinator
+        trained = grads is not None and sp in grads
+        arrived = grads.arrived if grads is not None else {}
+
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
@@ -55,13 +60,14 @@ class BackwardPass:
                 sp.set_released()
             if grad is None:
                 return
-            if self.grads is None or sp not in self.grads:
+            if not trained:
                 log.warning("parameter %s requires grad but is not in the optimizer; its gradient is dropped", sp.name)
             else:
-                self.begin(plain=True)  # no-op unless a plain loss.backward() runs outside engine.backward
-                self.grads.mark_arrived(sp)
-                self.reducer.add(sp, grad)
-            self.coordinator.grad_arrived(unit)
+                if not reducer.open:
+                    self.begin(plain=True)  # a plain loss.backward() outside engine.backward
+                arrived[sp] = True
+                reducer.add(sp, grad)
+            coordinator.grad_arrived(unit)
 
         return hook
 

@@ -151,6 +151,8 @@ class GradientReducer:
         ranks = reduce.mesh.world_size  # the mean is over every rank's gradient, replicas included
         self._alone = ranks == 1  # a world of one: gradients go straight to lp_grads (see the Note)
         self._direct = False  # this pass's gradients do (set by begin: lp_grads must be beside them)
+        self._direct_views: dict[ShardedParam, torch.Tensor] = {}  # a direct pass's lp_grads slots
+        self._direct_factor = 1.0
         self.pre_scale = 1.0 / ranks if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / ranks
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
@@ -246,6 +248,10 @@ class GradientReducer:
         self._next = 0
         self._late = []
         if self._direct:
+            assert self.grads is not None
+            # Looked up once a pass: nothing moves lp_grads during one (offloading it then is refused).
+            self._direct_views = self.grads.all_views()
+            self._direct_factor = self.pre_scale * self._pass_scale
             self.allocate_scratch()  # lent to the optimizer's step, as after a bucketed pass
             self._next = len(self.buckets)  # nothing to send: absent parameters simply add nothing
             return
@@ -255,6 +261,9 @@ class GradientReducer:
         self._send_ready()
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        if self._direct and self._open:  # the common case of a world of one, first (see _add_direct)
+            self._add_direct(sp, grad)
+            return
         if sp not in self._where:
             raise RuntimeError(f"parameter {sp.name} has a gradient but no gradient slot (frozen?)")
         self.begin()
@@ -271,14 +280,13 @@ class GradientReducer:
 
     def _add_direct(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         """A world of one: the gradient, rounded as its bucket would round it, added to its lp_grads region."""
-        assert self.grads is not None
-        source = grad.reshape(-1)
+        source = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1)
         if source.dtype != self.dtype:
             source = source.to(self.dtype)  # the bucket's communication dtype
-        factor = self.pre_scale * self._pass_scale
+        factor = self._direct_factor
         if factor != 1.0:
             source = source * factor
-        destination = self.grads.cached_view(sp)
+        destination = self._direct_views[sp]
         if self.post_scale != 1.0:
             destination.add_(source, alpha=self.post_scale)
         else:
@@ -307,6 +315,7 @@ class GradientReducer:
             self._land_all()
         self._open = False
         self._storage, self._placed, self._accounted, self._late = [], [], [], []
+        self._direct_views = {}  # no view outlives the pass (lp_grads may be offloaded next)
 
     def _bucket_storage(self, j: int, may_block: bool) -> torch.Tensor:
         """Bucket j's storage in this pass: a scratch slot, taken at its first gradient."""

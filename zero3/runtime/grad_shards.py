@@ -64,6 +64,12 @@ class GradShards:
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         return [self.cached_view(sp) for sp in params]
 
+    def all_views(self) -> dict[ShardedParam, torch.Tensor]:
+        """Every slot's cached view, for a pass that adds into them while the buffer stays put."""
+        for sp in self.params:
+            self.cached_view(sp)
+        return self._views
+
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._views, self._views_of = {}, None
