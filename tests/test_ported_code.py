@@ -458,8 +458,9 @@ def plain_backward(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_plain_loss_backward_trains_as_engine_backward_as_in_deepspeed() -> None:
-    for out in run_ranks(2, plain_backward):
+@pytest.mark.parametrize("world", [1, 2])  # a world of one saves by reference (zero3.runtime.coordinator)
+def test_a_plain_loss_backward_trains_as_engine_backward_as_in_deepspeed(world: int) -> None:
+    for out in run_ranks(world, plain_backward):
         assert out["plain"] and out["scaled"]  # bit-identical, accumulation 2 and clipping included
         assert "engine.scale(loss).backward()" in out["unscaled_fp16"]
         assert out["fp16_scaled"]

@@ -28,12 +28,17 @@ A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
 Saved-tensor hooks cost a Python call per saved tensor in forward and another
 in backward, and make autograd's C++ call into Python each time: at a world
 of one with small layers, where the host's work per step is what the device
-waits for, a sixth of the step. When every unit gathers in place, releasing
-a unit frees nothing, so there is nothing to re-gather: forward runs without
-the hooks, and a unit acquired by a forward that records a graph is also held
-for backward (`Hold.BACKWARD`) until the backward ends, so the parameters that
-autograd saved by reference (itself, as it does leaves) still view their
-shards when backward reads them.
+waits for, a sixth of the step. When every unit gathers in place, a gathered
+unit's values are views of its shard, so a saved tensor stays valid however
+often the unit is released and gathered again; only the parameters themselves,
+which autograd saves by reference as it does every leaf, must view their shards
+again when backward reads them. So forward runs without the hooks: a unit a
+graph-recording forward uses is held for backward (`Hold.BACKWARD`) until that
+root forward ends (a backward inside the forward, a gradient penalty, finds it
+gathered), released then as always, and gathered again in place before the
+backward's first node runs: by `begin_backward` for `engine.backward`, and by
+a hook on the root forward's outputs for a plain `loss.backward()` (or a second
+backward through a retained graph).
 
 A pass is a root forward, or a backward (begun by `engine.backward`, or by
 the first saved tensor or gradient of a plain `loss.backward()`). When one
@@ -47,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -98,6 +103,28 @@ class _SavedUnitView:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+
+
+def _grad_tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors in a forward's output (any container or object) that a backward can start from."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.grad_fn is not None else []
+    if depth > 4 or value is None or isinstance(value, (str, bytes, int, float, bool, nn.Module)):
+        return []
+    if isinstance(value, Mapping):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    elif hasattr(value, "__dict__"):
+        items = vars(value).values()
+    else:
+        return []
+    found: list[torch.Tensor] = []
+    for item in items:
+        found.extend(_grad_tensors_in(item, depth + 1))
+    return found
 
 
 def _params_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
@@ -281,11 +308,35 @@ class ParamCoordinator:
                     self._root_returned.append(unit)
             self._release_frame(frame)
         self.state = TrainingState.BACKWARD if self.in_backward else TrainingState.IDLE
+        if self.saves_by_reference and self.state is TrainingState.IDLE:
+            self._release_until_backward(output)
         if self._walk is self.forward_walk:  # this forward began its own walk
             self._walk = None
             extras = self.forward_walk.end([int(failure is not None)])
             if self.forward_walk.lockstep and any(row[0] for row in extras):
                 raise_peer_failure(self.comm, "forward", failure)
+
+    def _release_until_backward(self, output: Any) -> None:
+        """The end of a root forward that saved by reference: its units released, to be gathered again
+        when a backward through its outputs begins (see [Note: saved by reference])."""
+        held = [unit for unit in self.used_since_backward if unit.holds(Hold.BACKWARD)]
+        for unit in held:
+            unit.release(Hold.BACKWARD)
+        if not held:
+            return
+
+        def regather(grad: torch.Tensor) -> None:
+            if not self.in_backward:
+                self.begin_backward()  # a plain loss.backward()
+            self._hold_in_place(held)
+
+        for tensor in _grad_tensors_in(output):
+            tensor.register_hook(regather)
+
+    def _hold_in_place(self, units: Iterable[GatherUnit]) -> None:
+        for unit in units:
+            unit.unshard()  # in place: the parameters view their shards again
+            unit.acquire(Hold.BACKWARD)
 
     def join_forward_as_failed(self, failure: BaseException) -> None:
         """This rank failed before its forward while the others are in theirs: walk an empty forward pass
@@ -370,7 +421,9 @@ class ParamCoordinator:
         if self._walk is None:
             self._walk = self.backward_walk
             self.backward_walk.begin()
-        if not self.saves_by_reference:  # else every unit is held to the end (see the Note)
+        if self.saves_by_reference:  # held to the end: releasing earlier frees nothing (see the Note)
+            self._hold_in_place(self.used_since_backward)
+        else:
             self._grads_due = {unit: n for unit in self.units if (n := expected_grads(unit, self._grads))}
 
     def grad_arrived(self, unit: GatherUnit) -> None:
