@@ -323,6 +323,44 @@ def test_a_world_of_one_saves_for_backward_by_reference(world: int) -> None:
         assert result["doubled"] and result["nonzero"]
 
 
+def gradients_in_place(rank: int, world: int) -> dict:
+    """A world of one lets autograd add each gradient into its lp_grads slot (zero3.runtime.grad_hooks):
+    the slots hold plain torch's gradients, `.grad` is None once the pass ends, and a backward that
+    records a graph (accumulating out of place) still lands its gradients there."""
+    torch.manual_seed(0)
+    reference = models.MLP()
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    (x, y), (x2, y2) = models.batches("x8", 2, 4)
+    out: dict = {}
+    for how, (xs, ys) in (("engine", (x, y)), ("create_graph", (x2, y2))):
+        loss = engine(xs.to(engine.device), ys.to(engine.device))
+        if how == "engine":
+            engine.backward(loss)
+        else:
+            loss.backward(create_graph=True)
+            engine.allreduce_gradients()
+        reference(xs, ys).backward(create_graph=how == "create_graph")
+        out[how] = all(torch.equal(zero3.safe_get_local_grad(p).cpu(), r.grad.reshape(-1))
+                       for p, r in zip(model.parameters(), reference.parameters()))
+        out[f"{how}_grads_none"] = all(p.grad is None for p in model.parameters())
+        engine.zero_grad()
+        reference.zero_grad()
+    out["post_hooks"] = sum(1 for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None))
+    engine.destroy()
+    return out
+
+
+@ON_DEVICES
+def test_a_world_of_one_accumulates_gradients_in_place(device: str) -> None:
+    (result,) = run_ranks(1, gradients_in_place)
+    assert result["post_hooks"] == 0  # no hook runs after autograd's accumulation
+    assert result["engine_grads_none"] and result["create_graph_grads_none"]
+    if device == "cpu":  # the same kernels as plain torch: bit for bit (CUDA's backward may differ)
+        assert result["engine"] and result["create_graph"]
+
+
 def edit_after_initialize(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()

@@ -73,7 +73,10 @@ def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int,
         assert result["buckets"] > 2 and result["slots"] == 2
         assert result["scratch_bytes"] == 2 * result["capacity_bytes"]
         assert result["capacity_bytes"] <= result["bucket_bytes"]  # never more than the configured bucket
-        assert result["arrivals"] > result["buckets"]
+        if world == 1:  # autograd adds each gradient into its lp_grads slot itself (zero3.runtime.grad_hooks)
+            assert result["arrivals"] == 0
+        else:
+            assert result["arrivals"] > result["buckets"]
         assert result["outlived"] == 0  # copied into the slot on arrival; autograd's tensor freed
         if world == 1:
             assert result["fresh"] == 0  # nothing in flight there: a slot is always free

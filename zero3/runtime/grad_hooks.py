@@ -1,5 +1,20 @@
 """Where gradients enter the engine: a hook pair on every trained parameter, and the bracket of a
-backward pass (the coordinator holds what backward reads, the reducer sends what it makes)."""
+backward pass (the coordinator holds what backward reads, the reducer sends what it makes).
+
+[Note: gradients accumulated in place]
+A gradient normally reaches the engine through a post-accumulate hook: autograd
+stores it as `param.grad`, the hook hands it to the reducer and drops it. At a
+world of one that saves for backward by reference (zero3.runtime.coordinator),
+where a parameter's gradient would only be added to its `lp_grads` slot as it
+is (same dtype, no scaling), autograd can do that itself: a pre-hook, run as
+the gradient arrives, points `param.grad` at the slot (shaped like the
+parameter) and autograd's own accumulation adds into it in place, as it does
+into any existing `.grad`. No hook runs after accumulation, which is most of
+the gradient path's host time there. `param.grad` is dropped again when the
+pass ends, so outside backward it is None at every world size. A backward that
+records a graph (`create_graph=True`) accumulates out of place, so there the
+pre-hook adds the gradient to the slot itself.
+"""
 
 from __future__ import annotations
 
@@ -39,11 +54,17 @@ class BackwardPass:
         self.reducer = reducer
         self.grads = grads
         self._handles: list[Any] = []
+        # Parameters whose .grad this pass pointed at their slots (see the Note), dropped when it ends.
+        self._attached: list[tuple[ShardedParam, GatherUnit]] = []
+        in_place = coordinator.saves_by_reference and reducer.adds_unchanged
         for unit in units + ([persistent_unit] if persistent_unit is not None else []):
             for sp in unit.params:
                 if not sp.param.requires_grad:
                     continue
                 proxy = torch.empty(1, dtype=sp.dtype, device=device).expand(sp.shape)
+                if in_place and grads is not None and sp in grads and grads.buffer.dtype == sp.dtype:
+                    self._handles.append(sp.param.register_hook(self._accumulate_in_place(sp, unit, proxy)))
+                    continue
                 self._handles.append(sp.param.register_hook(_pre_accumulate(sp, unit, proxy)))
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(self._post_accumulate(sp, unit)))
 
@@ -68,6 +89,36 @@ class BackwardPass:
                 arrived[sp] = True
                 reducer.add(sp, grad)
             coordinator.grad_arrived(unit)
+
+        return hook
+
+    def _accumulate_in_place(self, sp: ShardedParam, unit: GatherUnit, proxy: torch.Tensor):
+        """The pre-hook that lets autograd add the gradient into its lp_grads slot (see the Note)."""
+        reducer, grads, param = self.reducer, self.grads, sp.param
+        assert grads is not None
+        arrived = grads.arrived
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not reducer.open:
+                self.begin(plain=True)  # a plain loss.backward() outside engine.backward
+            arrived[sp] = True
+            factor = reducer.direct_factor
+            if factor != 1.0:
+                grad = grad * factor
+            slot = grads.shaped_view(sp)
+            if torch.is_grad_enabled() or unit.state is not UnitState.UNSHARDED:
+                # Out of place (a graph is recorded), or the parameter holds no full value to match a .grad:
+                # added here; autograd keeps its own copy as .grad until the pass ends.
+                slot.add_(grad.detach())
+                if unit.state is not UnitState.UNSHARDED:
+                    param.data = proxy
+                param.grad = None
+            elif param.grad is slot:
+                return grad
+            else:
+                param.grad = slot
+            self._attached.append((sp, unit))
+            return grad
 
         return hook
 
@@ -113,6 +164,11 @@ class BackwardPass:
         """
         if not self.open:
             return
+        for sp, unit in self._attached:  # outside backward, .grad is None (see the Note)
+            sp.param.grad = None
+            if unit.state is UnitState.SHARDED:
+                sp.set_released()
+        self._attached.clear()
         extras = self.coordinator.end_backward([int(self.reducer.has_late), int(failure is not None)])
         self.reducer.finish(any_rank_late=any(row[0] for row in extras))
         if len(extras) > 1 and any(row[1] for row in extras):  # one row: no peers were asked

@@ -260,6 +260,17 @@ class GradientReducer:
                 self._account(*self._where[sp])
         self._send_ready()
 
+    @property
+    def adds_unchanged(self) -> bool:
+        """Whether a world of one adds each gradient to lp_grads as it is: never rounded to another
+        dtype, never scaled but by a plain loss.backward()'s pass factor (`direct_factor`)."""
+        return (self._alone and self.grads is not None and self.grads.buffer.device == self.device
+                and self.grads.buffer.dtype == self.dtype and self.pre_scale == 1.0 and self.post_scale == 1.0)
+
+    @property
+    def direct_factor(self) -> float:
+        return self._direct_factor
+
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         if self._direct and self._open:  # the common case of a world of one, first (see _add_direct)
             self._add_direct(sp, grad)

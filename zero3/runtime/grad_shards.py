@@ -37,6 +37,7 @@ class GradShards:
         # the buffer moves, so no view keeps the old memory alive.
         self._views: dict[ShardedParam, torch.Tensor] = {}
         self._views_of: torch.Tensor | None = None
+        self._shaped: dict[ShardedParam, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def of(sp: ShardedParam) -> GradShards | None:
@@ -64,6 +65,14 @@ class GradShards:
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         return [self.cached_view(sp) for sp in params]
 
+    def shaped_view(self, sp: ShardedParam) -> torch.Tensor:
+        """The slot's cached view, shaped like the parameter (a `.grad` autograd adds into)."""
+        flat = self.cached_view(sp)
+        cached = self._shaped.get(sp)
+        if cached is None or cached[0] is not flat:  # made from another buffer tensor
+            cached = self._shaped[sp] = (flat, flat.view(sp.shape))
+        return cached[1]
+
     def all_views(self) -> dict[ShardedParam, torch.Tensor]:
         """Every slot's cached view, for a pass that adds into them while the buffer stays put."""
         for sp in self.params:
@@ -73,6 +82,7 @@ class GradShards:
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._views, self._views_of = {}, None
+        self._shaped = {}
 
     def mark_arrived(self, sp: ShardedParam) -> None:
         self.arrived[sp] = True
