@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -105,32 +105,10 @@ class _SavedUnitView:
     offset: int
 
 
-def _grad_tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors in a forward's output (any container or object) that a backward can start from."""
+def _tensors_in(value: Any, wanted: Callable[[torch.Tensor], bool], depth: int = 0) -> list[torch.Tensor]:
+    """The `wanted` tensors in a forward's output (any container or object)."""
     if isinstance(value, torch.Tensor):
-        return [value] if value.grad_fn is not None else []
-    if depth > 4 or value is None or isinstance(value, (str, bytes, int, float, bool, nn.Module)):
-        return []
-    if isinstance(value, Mapping):
-        items = value.values()
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    elif hasattr(value, "__dict__"):
-        items = vars(value).values()
-    else:
-        return []
-    found: list[torch.Tensor] = []
-    for item in items:
-        found.extend(_grad_tensors_in(item, depth + 1))
-    return found
-
-
-def _params_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Partitioned parameters found in a forward's output (any container or object)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if isinstance(value, nn.Parameter) and sharded(value) is not None else []
+        return [value] if wanted(value) else []
     if depth > 4 or value is None or isinstance(value, (str, bytes, int, float, bool)):
         return []
     if isinstance(value, Mapping):
@@ -145,8 +123,18 @@ def _params_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
         return []
     found: list[torch.Tensor] = []
     for item in items:
-        found.extend(_params_in(item, depth + 1))
+        found.extend(_tensors_in(item, wanted, depth + 1))
     return found
+
+
+def _params_in(value: Any) -> list[torch.Tensor]:
+    """Partitioned parameters found in a forward's output."""
+    return _tensors_in(value, lambda t: isinstance(t, nn.Parameter) and sharded(t) is not None)
+
+
+def _grad_tensors_in(value: Any) -> list[torch.Tensor]:
+    """Tensors in a forward's output that a backward can start from."""
+    return _tensors_in(value, lambda t: t.grad_fn is not None)
 
 
 class ParamCoordinator:
