@@ -105,7 +105,7 @@ class BackwardPass:
             factor = reducer.direct_factor
             if factor != 1.0:
                 grad = grad * factor
-            slot = grads.shaped_view(sp)
+            slot = reducer.direct_view(sp)
             if torch.is_grad_enabled() or unit.state is not UnitState.UNSHARDED:
                 # Out of place (a graph is recorded), or the parameter holds no full value to match a .grad:
                 # added here; autograd keeps its own copy as .grad until the pass ends.

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from zero3.comm import Communicator
 from zero3.offload.host import copy_to_host
 from zero3.partition.collectives import GradReduce
-from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
 
@@ -151,7 +151,7 @@ class GradientReducer:
         ranks = reduce.mesh.world_size  # the mean is over every rank's gradient, replicas included
         self._alone = ranks == 1  # a world of one: gradients go straight to lp_grads (see the Note)
         self._direct = False  # this pass's gradients do (set by begin: lp_grads must be beside them)
-        self._direct_views: dict[ShardedParam, torch.Tensor] = {}  # a direct pass's lp_grads slots
+        self._direct_views: dict[ShardedParam, torch.Tensor] = {}  # a direct pass's lp_grads slots, shaped
         self._direct_factor = 1.0
         self.pre_scale = 1.0 / ranks if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / ranks
@@ -250,7 +250,7 @@ class GradientReducer:
         if self._direct:
             assert self.grads is not None
             # Looked up once a pass: nothing moves lp_grads during one (offloading it then is refused).
-            self._direct_views = self.grads.all_views()
+            self._direct_views = self.grads.param_shaped_views()
             self._direct_factor = self.pre_scale * self._pass_scale
             self.allocate_scratch()  # lent to the optimizer's step, as after a bucketed pass
             self._next = len(self.buckets)  # nothing to send: absent parameters simply add nothing
@@ -270,6 +270,15 @@ class GradientReducer:
     @property
     def direct_factor(self) -> float:
         return self._direct_factor
+
+    def direct_view(self, sp: ShardedParam) -> torch.Tensor:
+        """A direct pass's lp_grads slot of `sp`, in the parameter's shape (valid until the pass ends)."""
+        if not self._direct:
+            raise StateOffloadedError(
+                "a backward needs lp_grads beside the gradients, offloaded by offload_states(); call "
+                "engine.reload_states() first"
+            )
+        return self._direct_views[sp]
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         if self._direct and self._open:  # the common case of a world of one, first (see _add_direct)
@@ -291,7 +300,7 @@ class GradientReducer:
 
     def _add_direct(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         """A world of one: the gradient, rounded as its bucket would round it, added to its lp_grads region."""
-        source = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1)
+        source = grad
         if source.dtype != self.dtype:
             source = source.to(self.dtype)  # the bucket's communication dtype
         factor = self._direct_factor

@@ -37,7 +37,8 @@ class GradShards:
         # the buffer moves, so no view keeps the old memory alive.
         self._views: dict[ShardedParam, torch.Tensor] = {}
         self._views_of: torch.Tensor | None = None
-        self._shaped: dict[ShardedParam, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shaped: dict[ShardedParam, torch.Tensor] = {}
+        self._shaped_of: torch.Tensor | None = None
 
     @staticmethod
     def of(sp: ShardedParam) -> GradShards | None:
@@ -65,24 +66,20 @@ class GradShards:
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         return [self.cached_view(sp) for sp in params]
 
-    def shaped_view(self, sp: ShardedParam) -> torch.Tensor:
-        """The slot's cached view, shaped like the parameter (a `.grad` autograd adds into)."""
-        flat = self.cached_view(sp)
-        cached = self._shaped.get(sp)
-        if cached is None or cached[0] is not flat:  # made from another buffer tensor
-            cached = self._shaped[sp] = (flat, flat.view(sp.shape))
-        return cached[1]
-
-    def all_views(self) -> dict[ShardedParam, torch.Tensor]:
-        """Every slot's cached view, for a pass that adds into them while the buffer stays put."""
-        for sp in self.params:
-            self.cached_view(sp)
-        return self._views
+    def param_shaped_views(self) -> dict[ShardedParam, torch.Tensor]:
+        """Every slot viewed in its parameter's shape, made once per buffer tensor: at a world of one a
+        slot holds the whole parameter, and the reducer adds gradients into these (or autograd does:
+        zero3.runtime.grad_hooks)."""
+        tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
+        if tensor is not self._shaped_of:
+            self._shaped = {sp: tensor.narrow(0, slot.offset, slot.numel).view(sp.shape) for sp, slot in self.slots.items()}
+            self._shaped_of = tensor
+        return self._shaped
 
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._views, self._views_of = {}, None
-        self._shaped = {}
+        self._shaped, self._shaped_of = {}, None
 
     def mark_arrived(self, sp: ShardedParam) -> None:
         self.arrived[sp] = True
