@@ -156,6 +156,11 @@ class Communicator:
             self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
         return tensor
 
+    @property
+    def alone(self) -> bool:
+        """A group of one: every collective is the identity."""
+        return self._size == 1
+
     def any_of_flags(self, flags: list[bool]) -> list[bool]:
         """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group,
         so the answer never waits on the accelerator."""

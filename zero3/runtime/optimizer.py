@@ -343,6 +343,8 @@ class ZeroOptimizer:
         them never waits on the accelerator (see [Note: a step without host syncs]).
         """
         squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
+        if self.comm.alone:
+            return squared[0], failed  # nothing to agree with: this rank's flags are everyone's
         arrived = self.grads.arrived
         agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params] + [failed])
         for sp, flag in zip(self.params, agreed):
