@@ -323,6 +323,8 @@ class ParamCoordinator:
 
     def _hold_in_place(self, units: Iterable[GatherUnit]) -> None:
         for unit in units:
+            if unit.holds(Hold.BACKWARD):
+                continue  # engine.backward's begin held it before the outputs' hook ran
             unit.unshard()  # in place: the parameters view their shards again
             unit.acquire(Hold.BACKWARD)
 

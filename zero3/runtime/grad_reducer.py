@@ -240,7 +240,7 @@ class GradientReducer:
             return
         self._open = True
         self._pass_scale = scale
-        self._direct = self._alone and self.grads is not None and self.grads.buffer.device == self.device
+        self._direct = self._beside_grads
         self._storage = [None] * len(self.buckets)
         self._placed = [[False] * len(b.params) for b in self.buckets]
         self._accounted = [[False] * len(b.params) for b in self.buckets]
@@ -261,11 +261,17 @@ class GradientReducer:
         self._send_ready()
 
     @property
+    def _beside_grads(self) -> bool:
+        """A world of one whose lp_grads are on the gradients' device: a pass adds straight into them."""
+        return self._alone and self.grads is not None and self.grads.buffer.device == self.device
+
+    @property
     def adds_unchanged(self) -> bool:
         """Whether a world of one adds each gradient to lp_grads as it is: never rounded to another
         dtype, never scaled but by a plain loss.backward()'s pass factor (`direct_factor`)."""
-        return (self._alone and self.grads is not None and self.grads.buffer.device == self.device
-                and self.grads.buffer.dtype == self.dtype and self.pre_scale == 1.0 and self.post_scale == 1.0)
+        grads = self.grads
+        return (self._beside_grads and grads is not None and grads.buffer.dtype == self.dtype
+                and self.pre_scale == 1.0 and self.post_scale == 1.0)
 
     @property
     def direct_factor(self) -> float:

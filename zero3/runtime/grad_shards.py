@@ -32,11 +32,9 @@ class GradShards:
             _OWNER[sp] = self
         # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
         self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
-        # Each slot's view, made once per buffer tensor: a world of one adds every gradient through one,
-        # and a narrow per gradient was a tenth of the backward's host time. Dropped (forget_views) before
-        # the buffer moves, so no view keeps the old memory alive.
-        self._views: dict[ShardedParam, torch.Tensor] = {}
-        self._views_of: torch.Tensor | None = None
+        # Each slot's view in its parameter's shape, made once per buffer tensor: a world of one adds every
+        # gradient through one, and a narrow per gradient was a tenth of the backward's host time. Dropped
+        # (forget_views) before the buffer moves, so no view keeps the old memory alive.
         self._shaped: dict[ShardedParam, torch.Tensor] = {}
         self._shaped_of: torch.Tensor | None = None
 
@@ -52,19 +50,8 @@ class GradShards:
         """A fresh view of the parameter's gradient shard (what the accessors hand out)."""
         return self.slots[sp].view()
 
-    def cached_view(self, sp: ShardedParam) -> torch.Tensor:
-        """The reducer's view of the slot, made once per buffer tensor (see forget_views)."""
-        tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
-        if tensor is not self._views_of:
-            self._views, self._views_of = {}, tensor
-        view = self._views.get(sp)
-        if view is None:
-            slot = self.slots[sp]
-            view = self._views[sp] = tensor.narrow(0, slot.offset, slot.numel)
-        return view
-
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
-        return [self.cached_view(sp) for sp in params]
+        return [self.slots[sp].view() for sp in params]
 
     def param_shaped_views(self) -> dict[ShardedParam, torch.Tensor]:
         """Every slot viewed in its parameter's shape, made once per buffer tensor: at a world of one a
@@ -72,13 +59,14 @@ class GradShards:
         zero3.runtime.grad_hooks)."""
         tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
         if tensor is not self._shaped_of:
-            self._shaped = {sp: tensor.narrow(0, slot.offset, slot.numel).view(sp.shape) for sp, slot in self.slots.items()}
+            self._shaped = {
+                sp: tensor.narrow(0, slot.offset, slot.numel).view(sp.shape) for sp, slot in self.slots.items()
+            }
             self._shaped_of = tensor
         return self._shaped
 
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
-        self._views, self._views_of = {}, None
         self._shaped, self._shaped_of = {}, None
 
     def mark_arrived(self, sp: ShardedParam) -> None:
