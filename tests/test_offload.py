@@ -214,8 +214,8 @@ def _rss() -> int:
 class Wide(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = torch.nn.Linear(1024, 4096)
-        self.down = torch.nn.Linear(4096, 1024)
+        self.up = torch.nn.Linear(1024, 5120)
+        self.down = torch.nn.Linear(5120, 1024)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.relu(self.up(x))).pow(2).mean()

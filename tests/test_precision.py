@@ -111,3 +111,88 @@ def test_predivision_keeps_an_fp16_sum_across_ranks_from_overflowing() -> None:
     for factor, prescale in ((2.0, False), (None, True)):
         for result in run_ranks(2, predivided, factor, prescale):
             assert torch.equal(result["grad"], torch.full((2,), 40000.0))  # the mean, exactly
+
+
+# ---- an fp32 engine keeps one copy of its parameters ----------------------------------------------------
+def one_copy(rank: int, world: int, root: str, offload: bool) -> dict:
+    """An fp32 engine trained 4 steps, small sub-groups (pieces of shards); with `offload`, the 16-bit
+    shards (which are the masters here) parked on disk after the first step and the whole state after
+    the second, each time brought back."""
+    from tests import models
+    from zero3.partition.sharded_param import sharded
+    from zero3.runtime.optimizer import master_slots
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64, "sub_group_size": 700},
+    }
+    torch.manual_seed(0)
+    model = models.TiedTransformer()
+    reference = models.TiedTransformer()
+    reference.load_state_dict(model.state_dict())
+    engine, *_ = zero3.initialize(model=model, config=cfg)
+    states = engine.model_state_bytes()
+    shared = [master_slots(sharded(p)).hp.buffer is sharded(p).lp_slot.buffer for p in model.parameters()]
+    data = models.batches("tokens", 4, 2 * world)
+    losses = []
+    for index, batch in enumerate(data):
+        losses += models.mean_losses(engine, rank, world, [batch])
+        if offload and index == 0:
+            engine.offload_states(include=["lp_params"], device="nvme", nvme_path=root)
+            engine.reload_states()
+        if offload and index == 1:
+            engine.offload_states(device="nvme", nvme_path=root)
+            engine.reload_states()
+    masters_equal_shards = all(
+        torch.equal(zero3.safe_get_local_fp32_param(p), zero3.safe_get_local_lp_param(p)) for p in model.parameters()
+    )
+    full = [models.full_value(p) for p in model.parameters()]
+    ref_losses, reference = models.reference_losses(reference, data, 1e-2, 0.01, 1.0)
+    engine.destroy()
+    return {"states": states, "shared": shared, "losses": losses, "masters_equal_shards": masters_equal_shards,
+            "full": full, "ref_losses": ref_losses, "ref_full": [p.detach().clone() for p in reference.parameters()]}
+
+
+def optimizer_bytes(rank: int, world: int, precision: str, offload_optimizer: str) -> dict:
+    from tests import models
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": offload_optimizer}},
+    }
+    torch.manual_seed(0)
+    engine, *_ = zero3.initialize(model=models.MLP(), config=cfg)
+    states = engine.model_state_bytes()
+    engine.destroy()
+    return states
+
+
+def test_an_fp32_engine_keeps_one_copy_of_its_parameters(tmp_path) -> None:
+    """The fp32 masters are the parameter shards (no hp_params bytes: 12 bytes per element, not 16), they
+    train as plain torch does, and moving lp_params moves them: training goes on bit for bit."""
+    world = 2
+    plain = run_ranks(world, one_copy, str(tmp_path), False)
+    moved = run_ranks(world, one_copy, str(tmp_path), True)
+    for result, offloaded in zip(plain, moved):
+        states = result["states"]
+        assert states["hp_params"] == 0 and all(result["shared"]), states
+        assert states["lp_params"] == states["lp_grads"] > 0 and states["optim_states"] == 2 * states["lp_params"]
+        assert result["masters_equal_shards"]
+        assert offloaded["losses"] == result["losses"] and len(set(result["losses"])) > 1
+        assert all(torch.equal(a, b) for a, b in zip(offloaded["full"], result["full"]))
+        for loss, ref in zip(result["losses"], result["ref_losses"]):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (result["losses"], result["ref_losses"])
+        assert max((a - b).abs().max().item() for a, b in zip(result["full"], result["ref_full"])) < 1e-5
+
+
+def test_masters_stay_a_copy_where_they_differ_from_the_shards() -> None:
+    """A 16-bit engine, and an fp32 one whose masters live on the host (ZeRO-Offload), keep fp32 masters
+    of their own, one per trained element."""
+    for precision, offload in (("bf16", "none"), ("fp32", "cpu")):
+        for states in run_ranks(2, optimizer_bytes, precision, offload):
+            itemsize = 2 if precision == "bf16" else 4
+            assert states["hp_params"] == states["lp_params"] * 4 // itemsize > 0, (precision, offload, states)

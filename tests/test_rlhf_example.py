@@ -44,6 +44,15 @@ def run_script(command: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
+def _where(info: dict, state: str, place: str) -> list[str]:
+    """The devices a state's report should name: `place` if it holds bytes there. A trained fp32 engine's
+    masters are its shards (hp_params holds no bytes of its own): they are where lp_params is."""
+    held = sum(info["states"][state].values())
+    if state == "hp_params" and not held and sum(info["states"]["optim_states"].values()):
+        held = sum(info["states"]["lp_params"].values())
+    return [place] if held else []
+
+
 def check_run(stdout: str, out: Path, world: int, disk_root: Path | None) -> None:
     ex = example()
     document = json.loads((out / ex.JSON_NAME).read_text())
@@ -89,8 +98,7 @@ def check_run(stdout: str, out: Path, world: int, disk_root: Path | None) -> Non
                     else:  # parked on disk, the whole engine
                         assert info["resident"] == 0 and info["parked_on"] == {"nvme": info["parked"]}, info
                         for state in STATES:
-                            held = sum(info["states"][state].values())
-                            assert info["devices"][state] == (["meta"] if held else []), (name, state, info)
+                            assert info["devices"][state] == _where(info, state, "meta"), (name, state, info)
                         assert info["devices"]["contiguous_grad_buffer"] == []
                 assert "nvme" in engines["critic" if training == "actor" else "actor"]["report"]
             if event["kind"] == "generate":  # the actor's weights are streamed while it is parked
@@ -106,8 +114,7 @@ def check_run(stdout: str, out: Path, world: int, disk_root: Path | None) -> Non
                 else:  # back in memory, with a (re)created scratch bucket
                     scratch = sum(info["states"]["contiguous_grad_buffer"].values())
                     assert info["parked"] == 0 and info["resident"] == total + scratch, info
-                    assert all(info["devices"][s] == (["cpu"] if sum(info["states"][s].values()) else [])
-                               for s in STATES), info
+                    assert all(info["devices"][s] == _where(info, s, "cpu") for s in STATES), info
         rates = parked["ranks"][rank]["rates"]
         for name in ex.ENGINES:
             row = rates[name]

@@ -196,7 +196,10 @@ def test_bf16_with_everything_on_disk_gives_the_in_memory_losses(parity_results:
 def test_each_tier_keeps_its_states_where_the_config_says(parity_results: list[dict]) -> None:
     homes = parity_results[0]["homes"]
     devices = parity_results[0]["devices"]
-    assert set(homes["none/fp32"]["hp_params"]) == {"cpu"}
+    # In memory, an fp32 engine's masters are its shards: hp_params is where lp_params is, with no bytes of
+    # its own; a 16-bit engine's masters, and ZeRO-Offload's, are a buffer of their own.
+    assert homes["none/fp32"]["hp_params"] == {"cpu": 0} and set(homes["none/fp32"]["lp_params"]) == {"cpu"}
+    assert homes["none/bf16"]["hp_params"]["cpu"] > 0 and homes["optimizer_cpu/fp32"]["hp_params"]["cpu"] > 0
     assert set(homes["optimizer_nvme/fp32"]["hp_params"]) == {"nvme"}
     assert set(homes["optimizer_nvme/fp32"]["optim_states"]) == {"nvme"}
     assert set(homes["optimizer_nvme/fp32"]["lp_grads"]) == {"cpu"}  # the 16-bit gradients stay in memory

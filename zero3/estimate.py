@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from zero3.config import ZeroConfig, Zero3Config
-from zero3.offload.optimizer_tier import FP32_BYTES
+from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.partition.mesh import ShardMesh
@@ -236,7 +236,8 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places: dict[str, dict[str, int]] = {state: dict.fromkeys(PLACES, 0) for state in STATES}
     places["lp_params"][lp_home] += layout.lp_in_memory * lp_size
     places["lp_params"]["disk"] += layout.lp_on_disk * lp_size
-    places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
+    if not masters_are_shards(settings.compute_dtype, settings.offload_optimizer, settings.offload_param):
+        places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
     places["lp_grads"][grads_home] = layout.trainable * settings.grad_dtype.itemsize
     places["optim_states"][optimizer_home] = settings.optimizer_states * layout.trainable * FP32_BYTES
     places["persistent_params"]["device"] = layout.persistent_gathered * lp_size

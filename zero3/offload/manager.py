@@ -87,9 +87,13 @@ class StateOffloader:
         buffers: Callable[[OffloadStateType], list[FlatBuffer]],
         scratch: ScratchOwner,
         default_disk_root: str | None,
+        held_by: dict[OffloadStateType, OffloadStateType] | None = None,
     ) -> None:
         self.device = device
         self._buffers = buffers
+        # States with no bytes of their own, held by another's buffers (an fp32 engine's masters are its
+        # shards: hp_params in lp_params): they are where their holder is, and move with it.
+        self._held_by = held_by or {}
         self._scratch = scratch
         self._default_disk_root = default_disk_root
         self._parked: dict[OffloadStateType, list[_Parked]] = {}
@@ -106,6 +110,7 @@ class StateOffloader:
         return [
             state for state in OffloadStateType
             if state in self._parked or (state is SCRATCH and self._scratch_freed)
+            or self._held_by.get(state) in self._parked
         ]
 
     def missing(self, needed: Iterable[OffloadStateType]) -> list[OffloadStateType]:
@@ -123,7 +128,7 @@ class StateOffloader:
     def devices(self, state: OffloadStateType) -> set[torch.device]:
         """Where `state` rests: moves in flight are waited for first."""
         self.settle()
-        return {buffer.device for buffer in self._held(state)}
+        return {buffer.device for buffer in self._held(self._held_by.get(state, state))}
 
     def report(self) -> StateReport:
         self.settle()
@@ -132,10 +137,11 @@ class StateOffloader:
         for state in OffloadStateType:
             where: dict[str, int] = {}
             home: dict[str, int] = {}
-            for buffer in self._held(state):
+            own = state not in self._held_by  # a held state is where its holder is, with no bytes of its own
+            for buffer in self._held(self._held_by.get(state, state)):
                 key = "nvme" if buffer.parked else str(buffer.device)
-                where[key] = where.get(key, 0) + buffer.nbytes
-                home[buffer.home] = home.get(buffer.home, 0) + buffer.nbytes
+                where[key] = where.get(key, 0) + (buffer.nbytes if own else 0)
+                home[buffer.home] = home.get(buffer.home, 0) + (buffer.nbytes if own else 0)
             entries[state.value] = where
             homes[state.value] = home
         directory = str(self.disk.directory) if self.disk.directory is not None else None

@@ -26,6 +26,7 @@ from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
+from zero3.offload.optimizer_tier import masters_are_shards
 from zero3.offload.param_tier import DiskShardTier
 from zero3.offload.tiers import (
     check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states, step_device,
@@ -221,6 +222,7 @@ def build(
             groups, spec, state_layout, comm, device, grads, sub_group_size, config.gradient_clipping, loss_scaler,
             optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
             matrix_bucket_numel=zc.reduce_bucket_size, ignore_unused_parameters=zc.ignore_unused_parameters,
+            masters_are_shards=masters_are_shards(compute_dtype, zc.offload_optimizer.device, zc.offload_param.device),
         )
         if spec.client is not None:
             optimizer.read_client_state(spec.client)
@@ -234,6 +236,8 @@ def build(
     offloader = StateOffloader(
         device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
         zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
+        held_by={OffloadStateType.hp_params: OffloadStateType.lp_params}
+        if optimizer is not None and optimizer.masters_are_shards else None,
     )
     backward = BackwardPass(
         units, persistent_unit, coordinator, reducer, grads, device,
@@ -254,8 +258,8 @@ def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None,
         return list(lp_buffers)
     if optimizer is None:
         return []
-    if state is OffloadStateType.hp_params:
-        return [optimizer.hp_params]
+    if state is OffloadStateType.hp_params:  # none where the masters are the shards (lp_params holds them)
+        return [optimizer.hp_params] if optimizer.hp_params is not None else []
     if state is OffloadStateType.lp_grads:
         return [optimizer.lp_grads]
     if state is OffloadStateType.optim_states:

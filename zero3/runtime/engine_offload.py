@@ -111,7 +111,10 @@ class OffloadMethods:
         self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident
         if OffloadStateType.lp_params in states and parts.persistent_unit is not None:
             parts.persistent_unit.reshard()  # re-gathered by the next forward
-        if parts.optimizer is not None and states & {OffloadStateType.hp_params, OffloadStateType.optim_states}:
+        masters = {OffloadStateType.hp_params, OffloadStateType.optim_states}
+        if parts.optimizer is not None and parts.optimizer.masters_are_shards:
+            masters.add(OffloadStateType.lp_params)  # the masters view the shards
+        if parts.optimizer is not None and states & masters:
             parts.optimizer.unbind_views()
         if parts.grads is not None and OffloadStateType.lp_grads in states:
             parts.grads.forget_views()

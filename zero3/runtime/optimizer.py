@@ -25,6 +25,17 @@ class does it: SGD's momentum is the first gradient, Adagrad's sum starts at
 shards are written from each sub-group's masters once it has stepped (or,
 when they live on disk beside masters kept in memory, after the walk: see
 `step`).
+
+[Note: masters that are the shards]
+An fp32 engine whose shards and masters share one memory (neither tier
+offloaded: `masters_are_shards`) keeps one copy: each parameter's master
+slot is its shard slot in `lp_params`, there is no `hp_params` buffer, and a
+step updates the shards in place (nothing to write back). The optimizer
+order still names each parameter's place in `lp_grads`, the moments and the
+sub-groups (`order_offsets`); only the masters live in the shards' layout, so
+each piece's master is bound to a view of its shard. Checkpoints, the
+accessors and `offload_states` see the same masters through the slots; the
+`hp_params` state holds no bytes, and moving `lp_params` moves the masters.
 """
 
 from __future__ import annotations
@@ -120,6 +131,7 @@ class ZeroOptimizer:
         borrow_scratch: Callable[[int, torch.device], torch.Tensor | None] | None = None,
         matrix_bucket_numel: int = 500_000_000,
         ignore_unused_parameters: bool = True,
+        masters_are_shards: bool = False,
     ) -> None:
         self.comm = comm
         self.device = device
@@ -136,12 +148,14 @@ class ZeroOptimizer:
         self.spec = spec
         self.state_names = state_layout.elementwise
         self.scalar_names = state_layout.scalars
-        self.states = make_states(("hp_params", *self.state_names), total, largest)
+        # One copy where the masters are the shards (see the Note): no hp_params buffer then.
+        self.masters_are_shards = masters_are_shards
+        self.states = make_states((*(() if masters_are_shards else ("hp_params",)), *self.state_names), total, largest)
         self.largest_sub_group = largest
         # Set when a step failed on some rank after others had applied it in place: the ranks' states
         # differ, and the engine refuses to train on until a checkpoint is loaded.
         self.diverged: str | None = None
-        self.hp_params = self.states.buffers["hp_params"]
+        self.hp_params: FlatBuffer | None = self.states.buffers.get("hp_params")
         self.moments = {name: self.states.buffers[name] for name in self.state_names}
         # The reduced gradients (the engine's, laid out in this optimizer's order): accumulated across
         # micro-steps in grad_accum_dtype; DeepSpeed's name `lp_grads` whatever that dtype is.
@@ -159,29 +173,32 @@ class ZeroOptimizer:
         torch_groups: list[dict[str, Any]] = []
         # Each parameter's master and moments: this optimizer's own map (the parameter knows none of it).
         self.masters: dict[ShardedParam, MasterSlots] = {}
+        # Each parameter's place in the optimizer order: in lp_grads, the moments, and hp_params if any.
+        self.order_offsets: dict[ShardedParam, int] = {}
         cursor = 0
         for sp in self.params:
-            slots = MasterSlots(
-                Slot(self.hp_params, cursor, sp.shard_numel),
-                {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()},
-                self,
-            )
-            self.masters[sp] = slots
-            _MASTERS[sp] = slots
             assert sp.lp_slot is not None
-            slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
+            if masters_are_shards:
+                _check_shard_is_master(sp, self.step_device)
+            hp = (Slot(sp.lp_slot.buffer, sp.lp_slot.offset, sp.shard_numel) if self.hp_params is None
+                  else Slot(self.hp_params, cursor, sp.shard_numel))
+            slots = MasterSlots(hp, {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}, self)
+            self.masters[sp] = slots
+            self.order_offsets[sp] = cursor
+            _MASTERS[sp] = slots
+            if self.hp_params is not None:
+                slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
+                sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
             sp.hp_seed = None
-            sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
             cursor += sp.shard_numel
         for group_index, ((_, options), runs) in enumerate(zip(groups, runs_by_group)):
             group_masters: list[nn.Parameter] = []
             for run in runs:
-                first = self.masters[run[0].sp].hp
                 masters = [nn.Parameter(torch.empty(0, device=self.step_device)) for _ in run]
                 for piece, master in zip(run, masters):
                     self._masters_by_param.setdefault(piece.sp, []).append(master)
                 numel = sum(piece.numel for piece in run)
-                sub = SubGroup(first.offset + run[0].start, numel, run, masters, group_index,
+                sub = SubGroup(self.order_offsets[run[0].sp] + run[0].start, numel, run, masters, group_index,
                                bool(options.get("use_muon")))
                 sub.lp_runs = _lp_runs(sub)
                 self.sub_groups.append(sub)
@@ -217,12 +234,12 @@ class ZeroOptimizer:
         matrices = [sp for sps, options in groups if options.get("use_muon") for sp in sps]
         # split_groups puts the Muon groups first, so their masters are [0, total) of the flat buffers.
         total = sum(sp.shard_numel for sp in matrices)
-        assert all(self.masters[sp].hp.offset < total for sp in matrices)
+        assert all(self.order_offsets[sp] < total for sp in matrices)
         self.muon_directions = torch.zeros(total, dtype=torch.float32, device=self.step_device)
         for sub in self.sub_groups:
             if sub.muon:
                 for piece, master in zip(sub.pieces, sub.masters):
-                    start = self.masters[piece.sp].hp.offset + piece.start
+                    start = self.order_offsets[piece.sp] + piece.start
                     self.optimizer.updates[master] = self.muon_directions[start : start + piece.numel]
                     self.optimizer.shapes[master] = piece.sp.shape
         if not matrices:
@@ -232,7 +249,7 @@ class ZeroOptimizer:
         if self.step_device.type == "cpu" and dist.get_backend(group) != "gloo":
             group = self.comm.control_group  # host tensors (ZeRO-Offload beside a GPU) travel on gloo
         self.exchange = MatrixExchange(
-            [Matrix(sp, sp.shape, sp.numel, sp.shard_numel, self.masters[sp].hp.offset) for sp in matrices],
+            [Matrix(sp, sp.shape, sp.numel, sp.shard_numel, self.order_offsets[sp]) for sp in matrices],
             mesh.shard_rank, mesh.shard_size, group, bucket_numel, self.spec.muon,
         )
 
@@ -278,8 +295,8 @@ class ZeroOptimizer:
 
     # [Note: master views]
     # Torch's optimizer holds tensors, not slots: each master is a view of
-    # the sub-group's window of `hp_params` and its moments are views of the
-    # moment windows. Those views would pin the old storage when a state is
+    # the sub-group's window of `hp_params` (or of its shard, where the
+    # masters are the shards) and its moments are views of the moment windows. Those views would pin the old storage when a state is
     # offloaded, so `unbind_views` drops them (the offload tier calls it
     # before moving `hp_params` or `optim_states`, and a disk tier's walk
     # after every step: its windows are reused) and each step binds them
@@ -292,7 +309,11 @@ class ZeroOptimizer:
     def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
         cursor = 0
         for piece, master in zip(sub.pieces, sub.masters):
-            master.data = window["hp_params"][cursor : cursor + piece.numel]
+            if self.hp_params is None:  # the master is its shard (see [Note: masters that are the shards])
+                assert piece.sp.lp_slot is not None
+                master.data = piece.sp.lp_slot.buffer.view(piece.sp.lp_slot.offset + piece.start, piece.numel)
+            else:
+                master.data = window["hp_params"][cursor : cursor + piece.numel]
             state = self.optimizer.state[master]
             for name in self.state_names:
                 if name in state:
@@ -467,13 +488,13 @@ class ZeroOptimizer:
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
             self._step_sub_group(sub, window, coefficient, found_inf, work[: sub.numel])
-            if during:
+            if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
 
         lp_failure: OSError | None = None
         try:
             self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle)
-            if not during:
+            if not during and self.hp_params is not None:
                 try:
                     for index, sub in enumerate(self.sub_groups):
                         if index not in idle:
@@ -668,6 +689,9 @@ class ZeroOptimizer:
         """After a step whose 16-bit shards were not all written: write them again from the masters."""
         if not self.lp_stale:
             return
+        if self.hp_params is None:  # the masters are the shards: nothing can lag behind them
+            self.lp_stale = False
+            return
         for sub in self.sub_groups:
             self._write_lp(sub, self.hp_params.read_range(sub.offset, sub.numel))
         self.lp_stale = False
@@ -688,13 +712,23 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         return {
-            "hp_params": self.hp_params.nbytes,
+            "hp_params": self.hp_params.nbytes if self.hp_params is not None else 0,
             "lp_grads": self.lp_grads.nbytes,
             "optim_states": sum(buf.nbytes for buf in self.moments.values()),
         }
 
 
 NORM_CHUNK = 1 << 20
+
+
+def _check_shard_is_master(sp: ShardedParam, step_device: torch.device) -> None:
+    """A shard that is to serve as its fp32 master must be one in memory where the step runs."""
+    buffer = sp.lp_slot.buffer  # type: ignore[union-attr]
+    if buffer.dtype != torch.float32 or buffer.store is not None or buffer.device != step_device:
+        raise ValueError(
+            f"the fp32 masters cannot be the shards: {sp.name}'s shard is {buffer.dtype} in {buffer.home} "
+            f"memory, the step runs in fp32 on {step_device}"
+        )
 
 
 def _lp_runs(sub: SubGroup) -> list[tuple[FlatBuffer, int, int, int]]:
