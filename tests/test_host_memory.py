@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from zero3.accelerator import host_heap_bytes
@@ -57,3 +58,70 @@ def test_initialize_hands_the_builds_freed_memory_back() -> None:
     print(f"\nfreed heap still resident after initialize (MiB per rank): kept {kept}, handed back {handed_back}")
     # Measured: kept 206-215 MiB, handed back 63 (the part no malloc statistic counts).
     assert max(handed_back) < 0.5 * min(kept)
+
+
+# ---- the gradient shards hold no resident memory between a step and the next backward ----------------------
+def resident_fraction(tensor) -> float:
+    """Of `tensor`'s whole pages, the fraction in the resident set now (mincore)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    pages = (end - start) // page
+    assert pages > 0
+    vector = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(byte & 1 for byte in vector) / pages
+
+
+def test_droppable_zeros_are_zeroed_by_dropping_their_pages() -> None:
+    from zero3.accelerator import DroppableZeros
+
+    zeros = DroppableZeros(4 << 20, torch.float32)  # 16 MiB
+    assert resident_fraction(zeros.tensor) == 0.0 and not zeros.tensor.any()
+    zeros.tensor.fill_(3.0)
+    assert resident_fraction(zeros.tensor) == 1.0
+    view = zeros.tensor[5:9]
+    zeros.zero()
+    assert resident_fraction(zeros.tensor) == 0.0
+    assert not zeros.tensor.any()  # read back as zeros (a read maps the zero page: nothing resident)
+    view.add_(2.0)  # views stay valid: the memory is the same, only its pages were handed back
+    assert zeros.tensor[4:10].tolist() == [0.0, 2.0, 2.0, 2.0, 2.0, 0.0]
+
+
+def gradient_residency(rank: int, world: int) -> dict:
+    import zero3
+    from tests import models
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    model = models.TiedTransformer(vocab=64, dim=256, heads=4, layers=2)
+    engine = zero3.initialize(model=model, config=config)[0]
+    lp_grads = engine.optimizer.lp_grads.tensor
+    seen = {"built": resident_fraction(lp_grads)}
+    for micro, (x, y) in enumerate(models.batches("tokens", 4, 4 * world)):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        engine.backward(engine(x, y))
+        seen[f"backward {micro}"] = resident_fraction(lp_grads)
+        engine.step()
+        seen[f"step {micro}"] = resident_fraction(lp_grads)
+    engine.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradient_shards_are_resident_only_from_backward_to_step(world: int) -> None:
+    """lp_grads (in host memory) holds no resident page after a step until the next backward fills it
+    again; between the micro-steps of an accumulation it keeps its pages (they hold the sum so far)."""
+    for seen in run_ranks(world, gradient_residency):
+        assert seen["built"] == 0.0, seen
+        for micro in range(4):
+            assert seen[f"backward {micro}"] > 0.9, seen
+            assert seen[f"step {micro}"] == (0.0 if micro % 2 == 1 else seen[f"backward {micro}"]), seen

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -168,6 +170,30 @@ def release_host_memory() -> None:
     """
     if _libc is not None:
         _libc.malloc_trim(0)
+
+
+class DroppableZeros:
+    """A zeroed host tensor whose memory is a private anonymous mapping of its own, so that `zero()`
+    zeroes it by handing its pages back to the OS (MADV_DONTNEED) instead of writing them: nothing is
+    written, and the memory stays out of the resident set until something writes it again.
+
+    Where that is not Linux's semantics (elsewhere MADV_DONTNEED may keep the bytes), it is a plain
+    tensor that `zero()` fills."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self._region: mmap.mmap | None = None
+        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED") and numel > 0:
+            self._region = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # The tensor holds the mapping (an exported buffer) for as long as it lives.
+            self.tensor = torch.frombuffer(self._region, dtype=dtype, count=numel)
+        else:
+            self.tensor = torch.zeros(numel, dtype=dtype)
+
+    def zero(self) -> None:
+        if self._region is not None:
+            self._region.madvise(mmap.MADV_DONTNEED)
+        else:
+            self.tensor.zero_()
 
 
 def host_heap_bytes() -> dict[str, int] | None:

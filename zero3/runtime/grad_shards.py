@@ -5,6 +5,12 @@ the device) with a slot per trained parameter, laid out in the optimizer's
 order, and which parameters got a gradient since the last step. The reducer
 adds landed shards into it, the optimizer steps from it and zeroes it; the
 engine builds it and hands it to both, so neither reaches into the other.
+
+In host memory the buffer is zeroed by dropping its pages (`DroppableZeros`),
+not by writing zeros: from a step to the next backward's gradients it holds
+no resident memory, as FSDP2's gradients (freed by `zero_grad`) hold none,
+and the forward's activations, the largest part of a step's peak, do not
+come on top of it. Its pages return as the gradients land.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import weakref
 
 import torch
 
+from zero3.accelerator import DroppableZeros
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 
@@ -23,7 +30,11 @@ _OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyD
 class GradShards:
     def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> None:
         self.params = params
-        self.buffer = FlatBuffer.zeros("lp_grads", sum(sp.shard_numel for sp in params), dtype, device)
+        numel = sum(sp.shard_numel for sp in params)
+        # In host memory, zeroed by dropping its pages (see the module's doc); until it moves.
+        self._droppable: DroppableZeros | None = DroppableZeros(numel, dtype) if device.type == "cpu" else None
+        tensor = self._droppable.tensor if self._droppable is not None else torch.zeros(numel, dtype=dtype, device=device)
+        self.buffer = FlatBuffer("lp_grads", tensor)
         self.slots: dict[ShardedParam, Slot] = {}
         cursor = 0
         for sp in params:
@@ -68,6 +79,7 @@ class GradShards:
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._shaped, self._shaped_of = {}, None
+        self._droppable = None  # nor may the mapping outlive the tensor; a moved buffer is zeroed by writing
 
     def mark_arrived(self, sp: ShardedParam) -> None:
         self.arrived[sp] = True
@@ -76,7 +88,11 @@ class GradShards:
         return any(self.arrived.values())
 
     def zero(self) -> None:
-        self.buffer.tensor.zero_()
+        tensor = self.buffer.tensor
+        if self._droppable is not None and tensor is self._droppable.tensor:
+            self._droppable.zero()
+        else:
+            tensor.zero_()
         for sp in self.arrived:
             self.arrived[sp] = False
 
