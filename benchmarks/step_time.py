@@ -101,6 +101,8 @@ class Job:
     breakdown: bool = False
     breakdown_out: str = ""
     trace_out: str = ""
+    memory: bool = False  # sample RSS through the steps (PeakSampler)
+    memory_timeline: str = ""  # a directory: each rank's sampled timeline (PeakSampler)
     # The config's optimizer section, as JSON (benchmarks/optimizers.py); "" is AdamW.
     optimizer: str = ""
 
@@ -166,6 +168,64 @@ def memory_snapshot() -> dict[str, int]:
     return snapshot
 
 
+class PeakSampler:
+    """Samples this process's RSS every `interval_s` from a thread, and which phase of the step it is in
+    (set by the step functions through `phase`): the peak, the phase it fell in, and glibc's heap at that
+    moment (in use, freed but kept, mapped apart). The GIL is released inside torch's ops, so the samples
+    land inside the forward, the backward and the step, not only between them."""
+
+    phase = "outside a step"
+
+    def __init__(self, interval_s: float = 0.002, timeline: str = "") -> None:
+        import threading
+
+        self.interval_s = interval_s
+        # With `timeline`: every 10th sample's (seconds, phase, RSS, heap in use, heap free, mmapped) too,
+        # written there as JSON when the sampler stops.
+        self.timeline_path = timeline
+        self.timeline: list[tuple[float, str, int, int, int, int]] = []
+        self.started = time.perf_counter()
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self.by_phase: dict[str, int] = {}
+        self.at_peak: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        count = 0
+        while not self._stop.wait(self.interval_s):
+            rss, phase = self._rss(), PeakSampler.phase
+            count += 1
+            if self.timeline_path and count % 10 == 0:
+                heap = host_heap_bytes() or {}
+                self.timeline.append((time.perf_counter() - self.started, phase, rss, heap.get("in_use", 0),
+                                      heap.get("free", 0), heap.get("mmapped", 0)))
+            if rss > self.by_phase.get(phase, 0):
+                self.by_phase[phase] = rss
+            if rss > self.peak:
+                self.peak = rss
+                if rss > self.at_peak.get("rss", 0) + 2**20:  # glibc's figures: only on a new MiB
+                    heap = host_heap_bytes() or {}
+                    self.at_peak = {"rss": rss, "phase": phase, **heap}
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        if self.timeline_path:
+            Path(self.timeline_path).write_text(json.dumps(self.timeline))
+        return {"peak": self.peak, "by_phase": self.by_phase, "at_peak": self.at_peak}
+
+
+def _phase(name: str) -> None:
+    PeakSampler.phase = name
+
+
 # ------------------------------------------------------------------ the engines
 #
 # Each builder returns (step, state_bytes, close): step(x, y) -> loss (detached),
@@ -184,11 +244,15 @@ def _torch_step(
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # zero_grad first, so the grads are still there for state_bytes().
         opt.zero_grad(set_to_none=True)
+        _phase("forward")
         with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
             out = forward(x, y)
+        _phase("backward")
         out["loss"].backward()
+        _phase("step")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        _phase("outside a step")
         return out["loss"].detach()
 
     return step
@@ -212,9 +276,13 @@ def _engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     """One training step through a DeepSpeed-shaped engine (zero3 and DeepSpeed share the API)."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _phase("forward")
         out = engine(x, y)
+        _phase("backward")
         engine.backward(out["loss"])
+        _phase("step")
         engine.step()
+        _phase("outside a step")
         return out["loss"].detach()
 
     return step
@@ -325,7 +393,13 @@ def _build(job: Job):
 def worker(job: Job) -> dict[str, Any]:
     """Runs in every spawned process (module level, so it can be pickled)."""
     torch.set_num_threads(1)
-    memory = {"imported": memory_snapshot()}
+    memory: dict[str, Any] = {"imported": memory_snapshot()}
+    sampler = None
+    if job.memory:
+        timeline = ""
+        if job.memory_timeline:
+            timeline = str(Path(job.memory_timeline) / f"{job.engine}_rank{os.environ.get('RANK', '0')}.json")
+        sampler = PeakSampler(timeline=timeline)
     device = _device(job)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -370,6 +444,8 @@ def worker(job: Job) -> dict[str, Any]:
         if i == 0:
             memory["first step"] = memory_snapshot()
     memory["last step"] = memory_snapshot()
+    if sampler is not None:
+        memory["sampled"] = sampler.stop()
 
     if job.trace_out and rank == 0:
         _trace(job, step, tokens, device, world)
@@ -723,6 +799,24 @@ def print_memory(results: dict[str, Any], console: Any) -> None:
                      _mib(last["VmRSS"] - state) if state is not None else "-")
     console.print(phases)
     console.print(held)
+    sampled = Table(title="The peak, sampled every 2 ms (MiB): the phase it fell in, glibc's heap at that moment, "
+                          "and each phase's own peak")
+    for column in ("engine", "peak", "phase", "heap in use", "heap free, kept", "mmapped apart",
+                   "forward", "backward", "step", "outside a step"):
+        sampled.add_column(column, justify="left" if column in ("engine", "phase") else "right")
+    for name, res in results["engines"].items():
+        if "error" in res or not res.get("memory") or not res["memory"][0]:
+            continue
+        worst = max(range(len(res["peak_rss_bytes"])), key=lambda r: res["peak_rss_bytes"][r])
+        found = res["memory"][worst].get("sampled")
+        if not found:
+            continue
+        at = found["at_peak"]
+        sampled.add_row(name, _mib(found["peak"]), at.get("phase", "-"), _mib(at.get("in_use", 0)),
+                        _mib(at.get("free", 0)), _mib(at.get("mmapped", 0)),
+                        *[_mib(found["by_phase"][p]) if p in found["by_phase"] else "-"
+                          for p in ("forward", "backward", "step", "outside a step")])
+    console.print(sampled)
 
 
 def ratios(engines: dict[str, Any]) -> dict[str, float]:
@@ -793,6 +887,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="directory: rank 0 of each engine's first run profiles 5 extra steps (CPU and CUDA ops)"
                         " and writes <engine>_trace.txt there")
+    p.add_argument("--memory-timeline", type=Path, default=None,
+                   help="a directory: the first run of each engine writes each rank's sampled memory timeline "
+                        "there (seconds, phase, RSS, glibc's heap in use / free / mmapped; JSON), with --memory's "
+                        "tables")
     p.add_argument("--memory", action="store_true",
                    help="also print where each engine's resident memory goes (RSS after each phase; glibc's heap "
                    "in use and kept free, threads, the model state's bytes)")
@@ -836,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {
         "setup": {
-            **{k: v for k, v in vars(args).items() if k not in ("out", "engines", "profile_top", "trace")},
+            **{k: v for k, v in vars(args).items() if k not in ("out", "engines", "profile_top", "trace", "memory_timeline")},
             "vocab_size": gpt.vocab_size,
             "num_parameters": gpt.num_parameters(),
             "tokens_per_step": tokens_per_step,
@@ -882,7 +980,9 @@ def main(argv: list[str] | None = None) -> int:
                       profile=args.profile and name == "zero3" and round_index == 0, profile_out=profile_path,
                       offload_optimizer=args.offload_optimizer, precision=args.precision,
                       reduce_bucket_size=args.reduce_bucket_size, prefetch_bucket_size=args.prefetch_bucket_size,
-                      device=device, trace_out=str(args.trace / f"{name}_trace.txt") if args.trace and round_index == 0 else "")
+                      device=device, trace_out=str(args.trace / f"{name}_trace.txt") if args.trace and round_index == 0 else "",
+                      memory=args.memory or bool(args.memory_timeline),
+                      memory_timeline=str(args.memory_timeline) if args.memory_timeline and round_index == 0 else "")
             console.print(f"round {round_index + 1}/{args.rounds}: running {name} ...")
             t0 = time.perf_counter()
             try:
@@ -919,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"[red]profiling {name} failed[/red]: {str(exc).splitlines()[0][:200]}", markup=True)
 
     print_report(results, console)
-    if args.memory:
+    if args.memory or args.memory_timeline:
         print_memory(results, console)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     console.print(f"results written to {args.out}")
