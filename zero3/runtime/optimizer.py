@@ -149,7 +149,6 @@ class ZeroOptimizer:
         self.state_names = state_layout.elementwise
         self.scalar_names = state_layout.scalars
         # One copy where the masters are the shards (see the Note): no hp_params buffer then.
-        self.masters_are_shards = masters_are_shards
         self.states = make_states((*(() if masters_are_shards else ("hp_params",)), *self.state_names), total, largest)
         self.largest_sub_group = largest
         # Set when a step failed on some rank after others had applied it in place: the ranks' states
@@ -200,7 +199,8 @@ class ZeroOptimizer:
                 numel = sum(piece.numel for piece in run)
                 sub = SubGroup(self.order_offsets[run[0].sp] + run[0].start, numel, run, masters, group_index,
                                bool(options.get("use_muon")))
-                sub.lp_runs = _lp_runs(sub)
+                if self.hp_params is not None:  # else the step writes no shards: they are the masters
+                    sub.lp_runs = _lp_runs(sub)
                 self.sub_groups.append(sub)
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
@@ -289,6 +289,11 @@ class ZeroOptimizer:
             raise failure
 
     @property
+    def masters_are_shards(self) -> bool:
+        """Whether each master is its parameter's shard (see [Note: masters that are the shards])."""
+        return self.hp_params is None
+
+    @property
     def step_device(self) -> torch.device:
         """Where the step runs, as the optimizer-state tier declares it (the host for a disk tier)."""
         return self.states.step_device
@@ -296,9 +301,11 @@ class ZeroOptimizer:
     # [Note: master views]
     # Torch's optimizer holds tensors, not slots: each master is a view of
     # the sub-group's window of `hp_params` (or of its shard, where the
-    # masters are the shards) and its moments are views of the moment windows. Those views would pin the old storage when a state is
+    # masters are the shards) and its moments are views of the moment
+    # windows. Those views would pin the old storage when a state is
     # offloaded, so `unbind_views` drops them (the offload tier calls it
-    # before moving `hp_params` or `optim_states`, and a disk tier's walk
+    # before moving `hp_params` or `optim_states`, or `lp_params` where it
+    # holds the masters, and a disk tier's walk
     # after every step: its windows are reused) and each step binds them
     # again from the windows it is handed.
     def bind_views(self) -> None:
@@ -309,9 +316,9 @@ class ZeroOptimizer:
     def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
         cursor = 0
         for piece, master in zip(sub.pieces, sub.masters):
-            if self.hp_params is None:  # the master is its shard (see [Note: masters that are the shards])
-                assert piece.sp.lp_slot is not None
-                master.data = piece.sp.lp_slot.buffer.view(piece.sp.lp_slot.offset + piece.start, piece.numel)
+            if self.hp_params is None:  # the master slot is the shard's (see [Note: masters that are the shards])
+                hp = self.masters[piece.sp].hp
+                master.data = hp.buffer.view(hp.offset + piece.start, piece.numel)
             else:
                 master.data = window["hp_params"][cursor : cursor + piece.numel]
             state = self.optimizer.state[master]
