@@ -218,6 +218,7 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         if self.timeline_path:
+            Path(self.timeline_path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.timeline_path).write_text(json.dumps(self.timeline))
         return {"peak": self.peak, "by_phase": self.by_phase, "at_peak": self.at_peak}
 
@@ -309,7 +310,14 @@ def _build_zero3(job: Job, threshold: int | None):
     def state_bytes() -> dict[str, int]:
         return {k: int(v) for k, v in engine.model_state_bytes().items()}
 
-    return step, state_bytes, engine.destroy
+    def close() -> None:
+        heap = engine.reducer.heap_return  # on the CPU: the heap the backward freed, handed back (host_heap)
+        if heap.enabled and os.environ.get("RANK", "0") == "0":
+            print(f"zero3 rank 0: {heap.calls} heap hand-backs in {heap.seconds * 1e3:.0f} ms "
+                  f"over {job.warmup + job.steps} steps", flush=True)
+        engine.destroy()
+
+    return step, state_bytes, close
 
 
 def _build_fsdp2(job: Job):

@@ -125,3 +125,93 @@ def test_gradient_shards_are_resident_only_from_backward_to_step(world: int) -> 
         for micro in range(4):
             assert seen[f"backward {micro}"] > 0.9, seen
             assert seen[f"step {micro}"] == (0.0 if micro % 2 == 1 else seen[f"backward {micro}"]), seen
+
+
+# ---- the heap a backward frees goes back to the OS as the gradient shards fill ------------------------------
+def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> dict:
+    """Across a forward and the backward up to block 0's gradients (every later block's activations freed,
+    their gradients landed): how much this rank's resident anonymous memory grew beyond what glibc's
+    allocator has handed out (MiB), and the hand-backs the backward made."""
+    import ctypes
+    import ctypes.util
+
+    import zero3
+    from zero3 import accelerator
+    from zero3.models.gpt import GPT, GPTConfig
+
+    # Deterministic glibc: every block under 32 MiB (each activation here) from the heap, and free() never
+    # trims the heap's top, so a freed activation's pages stay resident unless something hands them back.
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    assert libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 1 << 40) == 1
+    config = {"train_micro_batch_size_per_gpu": 32, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 200_000}}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=8, n_embd=256))
+    engine = zero3.initialize(model=model, config=config)[0]
+    engine.reducer.heap_return.enabled = hand_back
+    engine.reducer.heap_return.every_bytes = 1 << 20  # this model's shards are 6 MiB: several hand-backs
+    tokens = torch.randint(0, 65, (32, 65), generator=torch.Generator().manual_seed(rank))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    engine.backward(engine(x, y)["loss"])  # a first step: lp_grads' pages and the optimizer state exist after it
+    engine.step()
+    grown: list[float] = []
+    accelerator.release_host_memory()  # both runs start from no freed page resident
+    before = _resident_and_allocated()
+
+    def at_block_0(*_: object) -> None:
+        after = _resident_and_allocated()
+        grown.append(((after[0] - before[0]) - (after[1] - before[1])) / 2**20)
+
+    handle = model.blocks[0].register_full_backward_hook(at_block_0)
+    calls = engine.reducer.heap_return.calls
+    engine.backward(engine(x, y)["loss"])
+    handle.remove()
+    seen = {"grown": grown[0], "hand_backs": engine.reducer.heap_return.calls - calls,
+            "buckets": len(engine.reducer.buckets)}
+    engine.destroy()
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])  # a world of one adds each gradient straight to lp_grads
+def test_the_backward_hands_the_heap_it_frees_back_as_gradients_land(world: int) -> None:
+    """On the CPU the activations are heap blocks: freed by the backward, they would stay resident beside the
+    gradient shards' fresh pages. zero3 hands them back at the backward's start and as gradients land."""
+    kept = run_ranks(world, freed_but_resident_in_backward, False)
+    handed_back = run_ranks(world, freed_but_resident_in_backward, True)
+    print(f"\nfreed heap still resident at block 0's backward (MiB per rank): "
+          f"kept {[k['grown'] for k in kept]}, handed back {[h['grown'] for h in handed_back]}")
+    for rank_kept, rank_handed_back in zip(kept, handed_back):
+        assert rank_kept["hand_backs"] == 0
+        # One at the start, then one per bucket's worth of landed elements: several before the end.
+        assert rank_handed_back["hand_backs"] >= min(4, rank_handed_back["buckets"]), rank_handed_back
+        assert rank_kept["grown"] > 40, rank_kept  # the activations' freed pages, kept
+        assert rank_handed_back["grown"] < 0.5 * rank_kept["grown"], (rank_kept, rank_handed_back)
+
+
+def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only() -> None:
+    from zero3 import accelerator
+    from zero3.runtime.host_heap import FreedHeapReturn
+
+    calls: list[int] = []
+    original = accelerator.release_host_memory
+    accelerator.release_host_memory = lambda: calls.append(1)
+    try:
+        on_cpu = FreedHeapReturn(torch.device("cpu"), every_bytes=10)
+        on_cpu.backward_begins()
+        on_cpu.landed(4)
+        on_cpu.landed(4)
+        assert len(calls) == 1  # the backward's start; 8 bytes landed, under the cadence
+        on_cpu.landed(4)
+        assert len(calls) == 2 and on_cpu.calls == 2
+        on_cpu.landed(9)
+        assert len(calls) == 2  # the count restarted at the last hand-back
+        on_device = FreedHeapReturn(torch.device("cuda", 0), every_bytes=10)
+        on_device.backward_begins()
+        on_device.landed(100)
+        assert len(calls) == 2 and on_device.calls == 0  # the activations are in device memory there
+    finally:
+        accelerator.release_host_memory = original
+    with pytest.raises(ValueError, match="every_bytes must be positive, got 0"):
+        FreedHeapReturn(torch.device("cpu"), every_bytes=0)

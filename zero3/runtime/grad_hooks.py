@@ -97,6 +97,7 @@ class BackwardPass:
         reducer, grads, param = self.reducer, self.grads, sp.param
         assert grads is not None
         arrived = grads.arrived
+        heap_return = reducer.heap_return  # on the CPU: freed heap handed back as gradients land (host_heap)
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not reducer.open:
@@ -106,6 +107,7 @@ class BackwardPass:
             if factor != 1.0:
                 grad = grad * factor
             slot = reducer.direct_view(sp)
+            heap_return.landed(slot.numel() * slot.element_size())
             if torch.is_grad_enabled() or unit.state is not UnitState.UNSHARDED:
                 # Out of place (a graph is recorded), or the parameter holds no full value to match a .grad:
                 # added here; autograd keeps its own copy as .grad until the pass ends.

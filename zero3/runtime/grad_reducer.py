@@ -68,6 +68,7 @@ from zero3.partition.collectives import GradReduce
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.host_heap import FreedHeapReturn
 
 
 # A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
@@ -180,6 +181,8 @@ class GradientReducer:
             for bucket in self.buckets
         ]
         self.fresh_buffers = 0  # buckets that found no free slot (see the Note), over the engine's life
+        # On the CPU: the heap the backward frees goes back to the OS as gradients land (zero3.runtime.host_heap).
+        self.heap_return = FreedHeapReturn(device)
 
     def _cut(self, params: list[ShardedParam]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
@@ -239,6 +242,7 @@ class GradientReducer:
         if self._open:
             return
         self._open = True
+        self.heap_return.backward_begins()
         self._pass_scale = scale
         self._direct = self._beside_grads
         self._storage = [None] * len(self.buckets)
@@ -317,6 +321,7 @@ class GradientReducer:
             destination.add_(source, alpha=self.post_scale)
         else:
             destination.add_(source)
+        self.heap_return.landed(destination.numel() * destination.element_size())
 
     @property
     def has_late(self) -> bool:
@@ -467,6 +472,8 @@ class GradientReducer:
         destinations = self.grads.views(params)
         sources = output.split([sp.shard_numel for sp in params])
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
+        if destinations:
+            self.heap_return.landed(sum(d.numel() for d in destinations) * destinations[0].element_size())
 
     def _copy_to_host(self, reduction: _Reduction) -> None:
         """Start the shard's copy to pinned host memory on the side stream; it is added when it arrives."""
