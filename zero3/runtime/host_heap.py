@@ -12,8 +12,8 @@ plus every gradient; FSDP2's gradients are heap blocks that reuse the freed
 activations' holes, ours are a buffer of their own. So at the start of each
 backward (the forward's freed temporaries) and after every HAND_BACK_EVERY_BYTES
 of gradient shards landed, `malloc_trim(0)` hands the freed heap pages back
-(zero3.accelerator.release_host_memory): the resident set then grows by at most
-that much beyond what is in use. A cadence in bytes, not per bucket, keeps the
+(zero3.accelerator.release_host_memory), so the freed activations go about as
+fast as the gradients' pages come. A cadence in bytes, not per bucket, keeps the
 cost in proportion: a small model's short backward makes one or two calls.
 
 Measured on 2 CPU ranks, fp32 (`benchmarks/step_time.py --memory`; the README
