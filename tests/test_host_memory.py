@@ -184,34 +184,30 @@ def test_the_backward_hands_the_heap_it_frees_back_as_gradients_land(world: int)
           f"kept {[k['grown'] for k in kept]}, handed back {[h['grown'] for h in handed_back]}")
     for rank_kept, rank_handed_back in zip(kept, handed_back):
         assert rank_kept["hand_backs"] == 0
-        # One at the start, then one per bucket's worth of landed elements: several before the end.
+        # One at the start, then one per `every_bytes` (1 MiB here) of landed gradients: several before the end.
         assert rank_handed_back["hand_backs"] >= min(4, rank_handed_back["buckets"]), rank_handed_back
         assert rank_kept["grown"] > 40, rank_kept  # the activations' freed pages, kept
         assert rank_handed_back["grown"] < 0.5 * rank_kept["grown"], (rank_kept, rank_handed_back)
 
 
-def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only() -> None:
+def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from zero3 import accelerator
     from zero3.runtime.host_heap import FreedHeapReturn
 
     calls: list[int] = []
-    original = accelerator.release_host_memory
-    accelerator.release_host_memory = lambda: calls.append(1)
-    try:
-        on_cpu = FreedHeapReturn(torch.device("cpu"), every_bytes=10)
-        on_cpu.backward_begins()
-        on_cpu.landed(4)
-        on_cpu.landed(4)
-        assert len(calls) == 1  # the backward's start; 8 bytes landed, under the cadence
-        on_cpu.landed(4)
-        assert len(calls) == 2 and on_cpu.calls == 2
-        on_cpu.landed(9)
-        assert len(calls) == 2  # the count restarted at the last hand-back
-        on_device = FreedHeapReturn(torch.device("cuda", 0), every_bytes=10)
-        on_device.backward_begins()
-        on_device.landed(100)
-        assert len(calls) == 2 and on_device.calls == 0  # the activations are in device memory there
-    finally:
-        accelerator.release_host_memory = original
+    monkeypatch.setattr(accelerator, "release_host_memory", lambda: calls.append(1))
+    on_cpu = FreedHeapReturn(torch.device("cpu"), every_bytes=10)
+    on_cpu.backward_begins()
+    on_cpu.landed(4)
+    on_cpu.landed(4)
+    assert len(calls) == 1  # the backward's start; 8 bytes landed, under the cadence
+    on_cpu.landed(4)
+    assert len(calls) == 2 and on_cpu.calls == 2
+    on_cpu.landed(9)
+    assert len(calls) == 2  # the count restarted at the last hand-back
+    on_device = FreedHeapReturn(torch.device("cuda", 0), every_bytes=10)
+    on_device.backward_begins()
+    on_device.landed(100)
+    assert len(calls) == 2 and on_device.calls == 0  # the activations are in device memory there
     with pytest.raises(ValueError, match="every_bytes must be positive, got 0"):
         FreedHeapReturn(torch.device("cpu"), every_bytes=0)

@@ -98,6 +98,7 @@ class BackwardPass:
         assert grads is not None
         arrived = grads.arrived
         heap_return = reducer.heap_return  # on the CPU: freed heap handed back as gradients land (host_heap)
+        slot_bytes = sp.numel * grads.buffer.dtype.itemsize  # the slot is shaped like the parameter
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not reducer.open:
@@ -107,7 +108,7 @@ class BackwardPass:
             if factor != 1.0:
                 grad = grad * factor
             slot = reducer.direct_view(sp)
-            heap_return.landed(slot.numel() * slot.element_size())
+            heap_return.landed(slot_bytes)
             if torch.is_grad_enabled() or unit.state is not UnitState.UNSHARDED:
                 # Out of place (a graph is recorded), or the parameter holds no full value to match a .grad:
                 # added here; autograd keeps its own copy as .grad until the pass ends.

@@ -473,7 +473,7 @@ class GradientReducer:
         sources = output.split([sp.shard_numel for sp in params])
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
         if destinations:
-            self.heap_return.landed(sum(d.numel() for d in destinations) * destinations[0].element_size())
+            self.heap_return.landed(output.numel() * destinations[0].element_size())  # the sources split it whole
 
     def _copy_to_host(self, reduction: _Reduction) -> None:
         """Start the shard's copy to pinned host memory on the side stream; it is added when it arrives."""
