@@ -101,3 +101,22 @@ def load_script(path: str | os.PathLike[str], name: str) -> ModuleType:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def children_of(pid: int, command_contains: bytes = b"") -> list[int]:
+    """The processes whose parent is `pid` (read from /proc), optionally those whose command line holds
+    `command_contains`: a launcher's workers, for a test to kill."""
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid and command_contains in command:
+            found.append(int(entry.name))
+    return sorted(found)

@@ -315,7 +315,7 @@ def bad_loads(rank: int, world: int, root: str, good: str, only: tuple[str, ...]
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
     ckpt = os.path.dirname(good)
     cases = {
-        "no_dir": ({}, os.path.join(root, "absent"), {}),
+        "no_dir": ({}, os.path.join(root, "absent"), {"tag": "global_step3"}),  # without a tag: (None, None)
         "no_tag": ({}, ckpt, {"tag": "global_step99"}),
         "bigger_model": ({"layers": 3}, ckpt, {}),
         "other_vocab": ({"vocab": 80}, ckpt, {}),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import children_of
 from zero3 import cli
 from zero3.config import load_config
 
@@ -173,3 +174,30 @@ def test_cli_train_saves_and_resumes_as_if_it_never_stopped(tmp_path: Path) -> N
     straight = _train("--steps", "4")
     assert _final_loss(resumed) == _final_loss(straight)
     assert cli.main(["train", "--resume"]) == 2  # needs --save-dir
+
+
+@pytest.mark.timeout(400)
+def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    save_dir = tmp_path / "ckpt"
+    argv = ["train", "--nproc", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+            "--micro-batch", "2", "--precision", "fp32", "--steps", "40", "--log-every", "40"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-c", "import sys, zero3.cli; sys.exit(zero3.cli.main(sys.argv[1:]))"]
+    job = subprocess.Popen([*command, *argv, "--save-dir", str(save_dir), "--save-every", "4", "--max-restarts", "2"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 200
+    while not (save_dir / "latest").is_file() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = children_of(job.pid, b"spawn_main")  # the elastic launcher's workers
+    assert len(workers) == 2 and job.poll() is None, "the job ended before a worker could be killed"
+    os.kill(workers[-1], signal.SIGKILL)  # a worker dies mid-run, a checkpoint behind
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, out + err
+    assert "(restart 1)" in out and "resumed from" in out, out
+    straight = subprocess.run([*command, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert _final_loss(out) == _final_loss(straight.stdout)

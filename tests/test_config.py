@@ -377,9 +377,10 @@ def test_warmup_lr_defaults() -> None:
     cfg = load_config({"scheduler": {"type": "WarmupLR"}})
     assert isinstance(cfg.scheduler, WarmupLRConfig)
     p = cfg.scheduler.params
+    # warmup_max_lr None: each param group's own lr, as DeepSpeed (0.17.2 on)
     assert (p.warmup_min_lr, p.warmup_max_lr, p.warmup_num_steps, p.warmup_type) == (
         0.0,
-        0.001,
+        None,
         1000,
         "log",
     )
@@ -419,9 +420,9 @@ def test_scheduler_bad_params() -> None:
 
 
 def test_unknown_scheduler_type() -> None:
-    message = error_of({"scheduler": {"type": "OneCycle"}})
-    assert "scheduler.type" in message and '"OneCycle"' in message
-    assert "WarmupLR" in message and "WarmupCosineLR" in message
+    message = error_of({"scheduler": {"type": "OneCycleLR"}})
+    assert "scheduler.type" in message and '"OneCycleLR"' in message
+    assert "WarmupLR" in message and "WarmupCosineLR" in message and "WarmupDecayLR" in message
     assert "scheduler.type: required" in error_of({"scheduler": {"params": {}}})
 
 

@@ -80,7 +80,7 @@ def test_every_deepspeed_zero_key_has_a_fate_in_the_table() -> None:
     for field, alias in DEEPSPEED_ZERO_FIELDS:
         assert any(name in fates for name in names_of(field, alias)), field
     for key in TOP_LEVEL:
-        assert key in fates, key
+        assert key in fates or any(path.startswith(f"{key}.") for path in fates), key
     assert set(fate for fate in fates.values()) == {"implemented", "translated", "no effect", "off only"}
 
 

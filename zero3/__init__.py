@@ -18,6 +18,7 @@ from zero3.accessors import (
     safe_update_full_grad_vectorized,
 )
 from zero3.checkpoint import CheckpointError
+from zero3.comm import init_distributed
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
 from zero3.enums import ParamStatus as ZeroParamStatus  # DeepSpeed's name
@@ -64,6 +65,7 @@ __all__ = [
     "ZeroParamStatus",
     "get_state_devices",
     "get_z3_leaf_modules",
+    "init_distributed",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the checkpoint `latest` names in --save-dir (from step 0 if there is "
                       "none); the run then ends at --steps, as if it had never stopped")
+    ckpt.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                      help="when a worker dies, restart the workers up to N times (torch's elastic launcher); "
+                      "each restart resumes from the newest checkpoint in --save-dir")
     model = train.add_argument_group("model")
     model.add_argument("--block-size", type=positive_int, default=64,
                        help="context length in characters")
@@ -444,6 +447,7 @@ class TrainJob:
     save_dir: str | None = None
     save_every: int | None = None
     resume: bool = False
+    max_restarts: int = 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -462,8 +466,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Validate here, once, so a bad option fails before N processes start.
         parsed = load_config(cfg)
         batch = parsed.resolve_batch(args.nproc)
-        if args.save_dir is None and (args.save_every is not None or args.resume):
-            raise ValueError("--save-every and --resume need --save-dir DIR")
+        if args.save_dir is None and (args.save_every is not None or args.resume or args.max_restarts):
+            raise ValueError("--save-every, --resume and --max-restarts need --save-dir DIR")
     except (ValueError, ConfigError) as exc:
         # Plain print, here and below: rich would re-wrap messages and file paths.
         print(f"zero3 train: {exc}", file=sys.stderr)
@@ -482,6 +486,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         save_dir=str(args.save_dir) if args.save_dir is not None else None,
         save_every=args.save_every,
         resume=args.resume,
+        max_restarts=args.max_restarts,
     )
     return _launch(job, args.nproc)
 
@@ -500,7 +505,7 @@ def _launch(job: TrainJob, nproc: int) -> int:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # the c10d store picks a free port
         run_id=f"zero3-train-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
+        max_restarts=job.max_restarts,
         monitor_interval=0.2,
         # Only rank 0 talks to the terminal; the others' output goes to files that
         # are kept (and named) if the run fails.
@@ -606,6 +611,11 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     tokens = tokenizer.encode(corpus)
 
     cfg = job.ds_config
+    # A restarted attempt (the launcher's --max-restarts) always goes on from the newest checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if job.save_dir is not None:
+        cfg = _deep_merge({"checkpoint": {"dir": job.save_dir, "interval_steps": job.save_every,
+                                          "resume": job.resume or restarted}}, cfg)
     with zero3.Init(config=cfg, device=job.device):
         model = GPT(job.model)
     engine, _, _, _ = zero3.initialize(
@@ -616,13 +626,12 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
     if not console.is_terminal:
         # Piped or captured output defaults to 80 columns, too narrow for the table.
         console = Console(width=160)
-    start_step = 0
-    if job.resume and job.save_dir is not None and (Path(job.save_dir) / "latest").is_file():
-        path, client_state = engine.load_checkpoint(job.save_dir)
-        start_step = int(client_state["next_step"])
-        if rank == 0:
-            console.print(f"resumed from {path} at step {start_step}")
-    elif job.resume and rank == 0:
+    # One optimizer step per step of this loop: the engine's step count is where a resumed run goes on.
+    start_step = engine.global_steps
+    if start_step and rank == 0:
+        attempt = f" (restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""
+        console.print(f"resumed from {job.save_dir} at step {start_step}{attempt}")
+    elif (job.resume or restarted) and rank == 0:
         console.print(f"no checkpoint in {job.save_dir}: starting at step 0")
     micro, accum = job.micro_batch, job.grad_accum
     # The global batch of a step is every rank's every micro-step, laid out as
@@ -656,10 +665,11 @@ def _train_worker(job: TrainJob) -> dict[str, float]:
                     first_loss = last_loss
                 progress.update(task, loss=f"{last_loss:.4f}")
             progress.advance(task)
-            every = job.save_every is not None and (step + 1) % job.save_every == 0
-            if job.save_dir is not None and (every or last_step):
-                # The batches come from (seed, step): the step to go on from is all a resume needs.
-                engine.save_checkpoint(job.save_dir, client_state={"next_step": step + 1})
+            # Every --save-every steps the engine saved by itself (its config's checkpoint section); the
+            # batches come from (seed, step), so the step count is all a resume needs.
+            saved = job.save_every is not None and (step + 1) % job.save_every == 0
+            if job.save_dir is not None and last_step and not saved:
+                engine.save_checkpoint(job.save_dir)
         elapsed = time.perf_counter() - start
         trained = job.steps - start_step
 

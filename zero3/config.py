@@ -40,6 +40,7 @@ log = logging.getLogger("zero3")
 __all__ = [
     "BatchSizes",
     "BF16Config",
+    "CheckpointConfig",
     "ConfigError",
     "DataTypesConfig",
     "FP16Config",
@@ -50,10 +51,16 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "OptimizerParams",
+    "LRRangeTestConfig",
+    "LRRangeTestParams",
+    "OneCycleConfig",
+    "OneCycleParams",
     "SchedulerConfig",
     "TorchOptimizerConfig",
     "WarmupCosineLRConfig",
     "WarmupCosineLRParams",
+    "WarmupDecayLRConfig",
+    "WarmupDecayLRParams",
     "WarmupLRConfig",
     "WarmupLRParams",
     "Zero3Config",
@@ -326,32 +333,92 @@ OptimizerConfig = Annotated[
 
 
 # --------------------------------------------------------------------- scheduler
+# DeepSpeed's five schedulers (deepspeed/runtime/lr_schedules.py), with its key names and defaults.
 
 _WarmupType = Literal["log", "linear"]
 
 
+def _per_group(low: float, high: float | None = None) -> Any:
+    """A number, or a list of one number per param group (DeepSpeed's "float or list"), in [low, high)."""
+    bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
+
+    def check(value: Any) -> Any:
+        values = value if isinstance(value, list) else [value]
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise ValueError("expected a number, or a list of one number per param group")
+        if not all(math.isfinite(v) and v >= low and (high is None or v < high) for v in values):
+            raise ValueError(f"expected {'numbers' if isinstance(value, list) else 'a number'} {bound}")
+        return [float(v) for v in values] if isinstance(value, list) else float(value)
+
+    return Annotated[float | list[float], BeforeValidator(check)]
+
+
+_GroupLr = _per_group(0.0)
+_GroupMomentum = _per_group(0.0, 1.0)
+# DeepSpeed (0.19.3 on) refuses a warmup of 0 steps; its log and linear warmups last at least 2 steps.
+_WarmupSteps = Annotated[int, Field(gt=0)]
+
+
+def _warmup_within_total(warmup_num_steps: int, total_num_steps: int) -> None:
+    if warmup_num_steps > total_num_steps:
+        raise _KeyedError(
+            ("warmup_num_steps",), f"must not exceed total_num_steps ({total_num_steps})", (warmup_num_steps,)
+        )
+
+
+class LRRangeTestParams(_Model):
+    lr_range_test_min_lr: _GroupLr = 0.001
+    lr_range_test_step_size: int = Field(default=2000, gt=0)
+    lr_range_test_step_rate: float = Field(default=1.0, ge=0)
+    lr_range_test_staircase: bool = False
+
+
+class OneCycleParams(_Model):
+    cycle_min_lr: _GroupLr
+    cycle_max_lr: _GroupLr
+    decay_lr_rate: float = Field(default=0.0, ge=0)
+    cycle_first_step_size: _Size = Field(default=2000, gt=0)
+    cycle_second_step_size: _Size | None = Field(default=None, ge=0)  # None: cycle_first_step_size
+    # 0, or DeepSpeed's command-line default -1: no stairs (lr and momentum move every step).
+    cycle_first_stair_count: int = Field(default=0, ge=-1)
+    cycle_second_stair_count: int | None = Field(default=None, ge=-1)  # None: cycle_first_stair_count
+    decay_step_size: _Size = Field(default=0, ge=0)  # 0: no decay after the cycle
+    cycle_momentum: bool = True
+    cycle_min_mom: _GroupMomentum = 0.8
+    cycle_max_mom: _GroupMomentum = 0.9
+    decay_mom_rate: float = Field(default=0.0, ge=0)
+
+
 class WarmupLRParams(_Model):
-    warmup_min_lr: float = Field(default=0.0, ge=0)
-    warmup_max_lr: float = Field(default=0.001, ge=0)
-    warmup_num_steps: int = Field(default=1000, ge=0)
+    warmup_min_lr: _GroupLr = 0.0
+    warmup_max_lr: _GroupLr | None = None  # None: each param group's own lr (DeepSpeed 0.17.2 on)
+    warmup_num_steps: _WarmupSteps = 1000
     warmup_type: _WarmupType = "log"
+
+
+class WarmupDecayLRParams(_Model):
+    total_num_steps: int = Field(gt=0)
+    warmup_min_lr: _GroupLr = 0.0
+    warmup_max_lr: _GroupLr = 0.001
+    warmup_num_steps: _WarmupSteps = 1000
+    warmup_type: _WarmupType = "log"
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> WarmupDecayLRParams:
+        _warmup_within_total(self.warmup_num_steps, self.total_num_steps)
+        return self
 
 
 class WarmupCosineLRParams(_Model):
     total_num_steps: int = Field(gt=0)
     warmup_min_ratio: float = Field(default=0.0, ge=0, le=1)
-    warmup_num_steps: int = Field(default=1000, ge=0)
+    warmup_num_steps: _WarmupSteps = 1000
     cos_min_ratio: float = Field(default=0.0001, ge=0, le=1)
     warmup_type: _WarmupType = "log"
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> WarmupCosineLRParams:
-        if self.warmup_num_steps > self.total_num_steps:
-            raise _KeyedError(
-                ("warmup_num_steps",),
-                f"must not exceed total_num_steps ({self.total_num_steps})",
-                (self.warmup_num_steps,),
-            )
+        _warmup_within_total(self.warmup_num_steps, self.total_num_steps)
         return self
 
 
@@ -366,9 +433,24 @@ class _SchedulerBase(_Model):
         return data
 
 
+class LRRangeTestConfig(_SchedulerBase):
+    type: Literal["LRRangeTest"]
+    params: LRRangeTestParams
+
+
+class OneCycleConfig(_SchedulerBase):
+    type: Literal["OneCycle"]
+    params: OneCycleParams
+
+
 class WarmupLRConfig(_SchedulerBase):
     type: Literal["WarmupLR"]
     params: WarmupLRParams
+
+
+class WarmupDecayLRConfig(_SchedulerBase):
+    type: Literal["WarmupDecayLR"]
+    params: WarmupDecayLRParams
 
 
 class WarmupCosineLRConfig(_SchedulerBase):
@@ -377,7 +459,10 @@ class WarmupCosineLRConfig(_SchedulerBase):
 
 
 # Discriminated on "type", so each type's params are validated by their own model.
-SchedulerConfig = Annotated[WarmupLRConfig | WarmupCosineLRConfig, Field(discriminator="type")]
+SchedulerConfig = Annotated[
+    LRRangeTestConfig | OneCycleConfig | WarmupLRConfig | WarmupDecayLRConfig | WarmupCosineLRConfig,
+    Field(discriminator="type"),
+]
 
 
 # ------------------------------------------------------------------- precision
@@ -625,6 +710,51 @@ class DataTypesConfig(_Model):
     grad_accum_dtype: _DtypeName | None = None
 
 
+# ------------------------------------------------------------------ checkpoint
+
+_ValidationMode = Annotated[
+    Literal["IGNORE", "WARN", "FAIL"], BeforeValidator(lambda value: value.upper() if isinstance(value, str) else value)
+]
+
+
+class CheckpointConfig(_Model):
+    """The `checkpoint` section: DeepSpeed's keys (accepted; DEEPSPEED_KEYS says what each does here) and
+    zero3's automatic checkpoints (see [Note: automatic checkpoints] in zero3.runtime.auto_checkpoint)."""
+
+    # zero3's: save every `interval_steps` optimizer steps into `dir`, keep the newest `keep_last` complete
+    # tags, write in the background with `async_save`, and start from the newest one with `resume`.
+    dir: str | None = None
+    interval_steps: int | None = Field(default=None, gt=0)
+    async_save: bool = False
+    keep_last: int | None = Field(default=None, gt=0)
+    resume: bool = False
+    # DeepSpeed's.
+    tag_validation: _ValidationMode = "WARN"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: dict[str, Any] | None = None
+    checkpoint_serialization: bool = True
+    writer: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _dir_where_needed(self) -> CheckpointConfig:
+        for key in ("interval_steps", "resume", "keep_last", "async_save"):
+            if key in self.model_fields_set and getattr(self, key) not in (None, False) and self.dir is None:
+                raise _KeyedError((key,), "needs checkpoint.dir, the directory the checkpoints live in",
+                                  (getattr(self, key),))
+        if self.dir is not None and not self.dir.strip():
+            raise _KeyedError(("dir",), "expected a directory path", (self.dir,))
+        if self.load_universal:
+            raise _KeyedError(("load_universal",), "zero3 loads its own checkpoints at any world size with no "
+                              "conversion; DeepSpeed's universal checkpoints are not read (use false)", (True,))
+        return self
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the engine saves by itself (every interval_steps)."""
+        return self.dir is not None and self.interval_steps is not None
+
+
 # ------------------------------------------------------------------- top level
 
 
@@ -720,7 +850,17 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_force_ds_cpu_optimizer": ("no effect", "the host step is torch's fused kernel, not DeepSpeed's"),
     "activation_checkpointing": (
         "no effect", "use torch.utils.checkpoint in the model; zero3 re-gathers what it reruns"),
-    "checkpoint": ("no effect", "zero3's checkpoints are DCP, sharded, at any world size"),
+    "checkpoint.tag_validation": (
+        "no effect", "a save always refuses different tags on different ranks (DeepSpeed's \"Fail\")"),
+    "checkpoint.load_universal": (
+        "off only", "false; zero3's own checkpoints load at any world size with no conversion"),
+    "checkpoint.use_node_local_storage": (
+        "no effect", "every rank writes its own files; a load at another world size reads other ranks' files, so "
+        "the directory must be one every rank can read"),
+    "checkpoint.parallel_write": ("no effect", "a pipeline-parallel setting"),
+    "checkpoint.checkpoint_serialization": ("no effect", "DCP writes each rank's pieces itself"),
+    "checkpoint.writer": ("no effect", "DeepSpeed's checkpoint writers; zero3 writes with DCP (async_save: in the "
+                          "background)"),
     "comms_logger": ("no effect", "DeepSpeed's communication logger"),
     "flops_profiler": ("no effect", "DeepSpeed's profiler; use torch.profiler"),
     "tensorboard": ("no effect", "DeepSpeed's monitor; log from the training loop"),
@@ -765,6 +905,11 @@ class Zero3Config(_Model):
     steps_per_print: Annotated[int | None, BeforeValidator(_never_if_infinite)] = Field(default=10, gt=0)
     # The DataLoader initialize(training_data=...) returns drops a last, short batch (DeepSpeed's key).
     dataloader_drop_last: bool = False
+    # Seconds a collective on the engine's process groups may wait for a peer before it raises (a rank
+    # that died or hangs). None: the default process group's timeout (torch's default where no one set
+    # one: 30 min on gloo, 10 min on NCCL), since a healthy peer may legitimately be slow for minutes
+    # (a large checkpoint write, a first step). Also the default group's when zero3.initialize creates it.
+    comm_timeout_s: float | None = Field(default=None, gt=0)
     wall_clock_breakdown: bool = False
     # DeepSpeed's top-level keys that ZeRO-3 users write: no effect here (DEEPSPEED_KEYS).
     # DeepSpeed reads these flags by truth value (its own tests write 1): 0 and 1 are accepted too.
@@ -773,7 +918,7 @@ class Zero3Config(_Model):
     memory_breakdown: Annotated[bool, Field(strict=False)] = False
     dump_state: Annotated[bool, Field(strict=False)] = False
     activation_checkpointing: dict[str, Any] | None = None
-    checkpoint: dict[str, Any] | None = None
+    checkpoint: Annotated[CheckpointConfig, BeforeValidator(_none_as_empty)] = CheckpointConfig()
     comms_logger: dict[str, Any] | None = None
     flops_profiler: dict[str, Any] | None = None
     tensorboard: dict[str, Any] | None = None
@@ -894,6 +1039,16 @@ class Zero3Config(_Model):
                 )
             return total // divisor
 
+        if (train is not None and micro is not None and gas is not None and train != micro * gas * world_size
+                and self.checkpoint.resume and train % (micro * world_size) == 0):
+            # A job that resumes may come back on another world (a restart with fewer or more ranks): its
+            # global batch is kept by the accumulation, as when gradient_accumulation_steps is left out.
+            log.warning(
+                "gradient_accumulation_steps=%d gives a global batch of %d at world size %d; "
+                "train_batch_size=%d is kept with %d (checkpoint.resume: the world may change between runs)",
+                gas, micro * gas * world_size, world_size, train, train // (micro * world_size),
+            )
+            gas = None
         if train is not None and micro is not None and gas is not None:
             if train != micro * gas * world_size:
                 raise ConfigError(

@@ -118,18 +118,27 @@ class CheckpointedEngine:
     lr_scheduler: Any  # None, or state_dict() / load_state_dict()
     host_pool: HostBufferPool
     counters: TrainingCounters
+    # This rank's own state beside the engine's (its RNG, the objects registered with the engine): gathered
+    # to rank 0 and saved per rank, in rank order, as "rank_states".
+    rank_state: dict[str, Any] | None = None
+    # Recorded beside the engine's state, for the engine to compare at a load (the global batch).
+    facts: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class Restored:
     """What a load read, for the engine to apply: its counters and the scheduler's state (None when
-    the caller asked for the module only), and the client state."""
+    the caller asked for the module only), the client state, and what was saved per rank and about
+    the run (`rank_states`, `facts`: absent from a checkpoint older than them)."""
 
     path: str
     client_state: Any
     counters: TrainingCounters | None
     loss_scaler: dict[str, Any] | None
     lr_scheduler: dict[str, Any] | None
+    world_size: int = 0  # the world the checkpoint was saved at
+    rank_states: list[dict[str, Any]] | None = None
+    facts: dict[str, Any] | None = None
 
 
 def entries(engine: CheckpointedEngine, optimizer_states: bool, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -175,9 +184,11 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value for name, value in module.state_dict().items() if name not in params}
 
 
-def _engine_state(engine: CheckpointedEngine, client_state: Any) -> dict[str, Any]:
+def _engine_state(engine: CheckpointedEngine, client_state: Any, rank_states: list[Any] | None) -> dict[str, Any]:
     optimizer = engine.optimizer
     return {
+        "rank_states": rank_states,
+        "facts": engine.facts,
         "format": FORMAT,
         "world_size": engine.world_size,
         "compute_dtype": str(engine.compute_dtype),
@@ -225,7 +236,8 @@ def save(
     _agree(comm, problem, None, root, tag, engine.rank)  # rank 0's failure is every rank's (none waits for it)
     # The engine's own state is taken now (an async write must not see later steps): a copy, so that
     # the writer never has to read anything back (see zero3.checkpoint.trust's Note).
-    engine_state = copy.deepcopy(_engine_state(engine, client_state)) if engine.rank == 0 else {}
+    rank_states = comm.all_gather_objects(engine.rank_state) if engine.rank_state is not None else None
+    engine_state = copy.deepcopy(_engine_state(engine, client_state, rank_states)) if engine.rank == 0 else {}
     live = entries(engine, optimizer_states=engine.optimizer is not None)
     job = _Write(root, tag, engine_state, save_latest, keep_last, engine.rank)
     if executor is None:
@@ -463,7 +475,8 @@ def load(
                 group.update(saved_group)
         optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters (the engine rewrites them)
     if load_module_only:
-        return Restored(str(path), state["client_state"], None, None, None)
+        return Restored(str(path), state["client_state"], None, None, None, state["world_size"])
     counters = TrainingCounters(state["global_steps"], state["micro_steps"], state["skipped_steps"])
     scheduler = state["lr_scheduler"] if load_lr_scheduler_states else None
-    return Restored(str(path), state["client_state"], counters, state["loss_scaler"], scheduler)
+    return Restored(str(path), state["client_state"], counters, state["loss_scaler"], scheduler, state["world_size"],
+                    state.get("rank_states"), state.get("facts"))

@@ -72,6 +72,12 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
     return path
 
 
+def has_latest(load_dir: str | os.PathLike[str]) -> bool:
+    """Whether `load_dir` holds a `latest` marker: a resume from it has a checkpoint to load (DeepSpeed's
+    idiom treats a directory without one as "nothing saved yet", not as an error)."""
+    return (Path(load_dir) / LATEST).is_file()
+
+
 def dcp_files(path: Path, rank: int | None = None) -> list[Path]:
     """DCP's data files in `path` (one rank's, or all), sorted."""
     pattern = f"__{rank}_*.distcp" if rank is not None else "__*_*.distcp"

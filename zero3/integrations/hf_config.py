@@ -104,7 +104,9 @@ def fill_from_training_arguments(
         fill.only("zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
     if num_training_steps is not None:
         fill.match("scheduler.params.total_num_steps", num_training_steps, "max_steps (as computed)")
-        fill.match("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps),
+        # At least 1, as transformers fills it: DeepSpeed (0.19.3 on) and zero3 refuse a warmup of 0 steps,
+        # and 1 or 0 gave the same (2-step) warmup where 0 was accepted.
+        fill.match("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)),
                    "warmup_steps (as computed)")
     if fill.mismatches:
         raise ValueError(

@@ -293,7 +293,7 @@ class Init:
             self._nested = True  # the outer context partitions what is built in this one
             return self
         accelerator.set_device(self.device)
-        comm.init_distributed(self.device)
+        comm.join_default_group(self.device)
         self.gather = ParamGather(ShardMesh.of_group(), comm.Communicator())
         self.partitioner = Partitioner(self.gather, self.device, self.dtype)
 

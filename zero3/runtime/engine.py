@@ -119,6 +119,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's answer
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
         self.saves = AsyncSaves(self.host_pool)
+        self.client_state: Any = None
+        self._checkpoint_states: dict[str, Any] = {}
+        self._pending_states: dict[str, Any] = {}
         self._destroyed = False
         # The collective the other ranks are in next if this rank fails now (see the Note on failures).
         self._next_collective: str | None = "forward"
@@ -323,6 +326,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if self.optimizer.lp_write_error is not None:
             error, self.optimizer.lp_write_error = self.optimizer.lp_write_error, None
             raise error
+        self._save_on_interval()
 
     # [Note: a step without host syncs]
     # Nothing in a step reads a device value on the host unless the config

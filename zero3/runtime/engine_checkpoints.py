@@ -16,12 +16,15 @@ import torch
 from torch import nn
 
 from zero3.checkpoint.async_saves import AsyncSaves
+from zero3.checkpoint.tags import CheckpointError, has_latest
+from zero3.config import Zero3Config
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
 from zero3.rank_failure import agreed
 from zero3.runtime.build import EngineParts
 from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
+from zero3.runtime import rng_state
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.runtime.optimizer import ZeroOptimizer
 
@@ -49,6 +52,7 @@ def _weights():  # noqa: ANN202 - the module
 
 class CheckpointMethods:
     module: nn.Module
+    config: Zero3Config
     comm: Communicator
     gather: ParamGather
     parts: EngineParts
@@ -66,6 +70,48 @@ class CheckpointMethods:
     skipped_steps: int
     _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
     _require_resident: Callable[..., None]
+    # The client state the last load returned, and what automatic checkpoints save (set it to save yours).
+    client_state: Any
+    _checkpoint_states: dict[str, Any]  # register_checkpoint_state's objects, by name
+    _pending_states: dict[str, Any]  # states a load read for names not registered yet, by name
+
+    def register_checkpoint_state(self, name: str, obj: Any) -> None:
+        """Save and restore `obj` (anything with `state_dict()` / `load_state_dict()`: a stateful data loader,
+        a sampler, an RNG holder) with every checkpoint of this engine, each rank its own.
+
+        Every rank registers the same names. A checkpoint loaded before the
+        registration (as `checkpoint.resume` loads inside `zero3.initialize`)
+        keeps the object's state until it is registered, and hands it to
+        `load_state_dict` then; so register right after initialize, before the
+        first batch is drawn.
+        """
+        self._check_alive()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register_checkpoint_state: name must be a non-empty string, got {name!r}")
+        missing = [method for method in ("state_dict", "load_state_dict") if not callable(getattr(obj, method, None))]
+        if missing:
+            raise TypeError(f"register_checkpoint_state({name!r}, ...): a {type(obj).__name__} has no "
+                            f"{' or '.join(missing)}; expected an object with state_dict() and load_state_dict()")
+        known = self._checkpoint_states.get(name)
+        if known is not None and known is not obj:
+            raise ValueError(f"register_checkpoint_state: {name!r} is already registered (to a "
+                             f"{type(known).__name__}); each name holds one object")
+        self._checkpoint_states[name] = obj
+        pending = self._pending_states.pop(name, None)
+        if pending is not None:
+            obj.load_state_dict(pending)
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What this rank saves of its own beside the engine: its generators and the registered objects."""
+        return {
+            "rng": rng_state.capture(self.device),
+            "registered": {name: obj.state_dict() for name, obj in self._checkpoint_states.items()},
+        }
+
+    def _run_facts(self) -> dict[str, Any]:
+        batch = self.batch  # type: ignore[attr-defined] # the engine's resolved batch sizes
+        return {"train_batch_size": batch.train_batch_size, "micro_batch_per_gpu": batch.micro_batch_per_gpu,
+                "gradient_accumulation_steps": batch.gradient_accumulation_steps}
 
     def save_checkpoint(
         self,
@@ -96,7 +142,7 @@ class CheckpointMethods:
         if grads is not None and grads.any_arrived():
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
         written = _state().save(
-            self._checkpointed(), save_dir, tag, client_state, save_latest, keep_last,
+            self._checkpointed(saving=True), save_dir, tag, client_state, save_latest, keep_last,
             self.saves.executor() if async_save else None,
         )
         self.saves.track(written)
@@ -198,10 +244,17 @@ class CheckpointMethods:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         weights_only: bool = True,
-    ) -> tuple[str, Any]:
+    ) -> tuple[str | None, Any]:
         """Load `load_dir/<tag>` (default: the tag `latest` names), saved at any world size; collective.
 
-        Returns (the checkpoint's path, its client_state). The checkpoint is
+        Returns (the checkpoint's path, its client_state), also kept as
+        `engine.client_state`. With `tag=None` and no `latest` in `load_dir` (or
+        no `load_dir`), nothing is loaded: it returns (None, None) and logs a
+        warning, as DeepSpeed does, so a script's first run and its restarts
+        share one line. Each rank's random generators and the objects given to
+        `register_checkpoint_state` come back as they were saved (at the same
+        world size; at another one they are left as they are, with a warning).
+        The checkpoint is
         checked first (the tag is complete, every name and shape matches this
         model, every file matches its checksum, the optimizer is the same
         kind): a failed check raises `zero3.CheckpointError` and changes
@@ -217,6 +270,11 @@ class CheckpointMethods:
         self._check_alive()
         self.parts.check_between_steps("load_checkpoint")
         self.wait_for_checkpoint()
+        if tag is None and self._holds_no_checkpoint(load_dir):
+            if self.global_rank == 0:
+                log.warning("load_checkpoint: %r holds no checkpoint yet (no 'latest' marker): nothing was loaded, "
+                            "(None, None) returned", str(load_dir))
+            return None, None
         self.parts.backward.finish()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.parts.coordinator.release_all()
@@ -238,9 +296,83 @@ class CheckpointMethods:
             self.optimizer.zero_grad()
             if load_optimizer_states and not load_module_only:
                 self.optimizer.diverged = None  # every rank's masters and moments are the checkpoint's again
+        if not load_module_only:
+            self._restore_run(restored)
+        self.client_state = restored.client_state
         return restored.path, restored.client_state
 
-    def _checkpointed(self) -> checkpoint_state.CheckpointedEngine:
+    def _holds_no_checkpoint(self, load_dir: str | os.PathLike[str]) -> bool:
+        """Whether `load_dir` has no `latest` on every rank (True), or on none (False); ranks that disagree
+        (a directory not every rank can read) are an error on every rank."""
+        present = self.comm.all_gather_objects(has_latest(load_dir))
+        if all(present):
+            return False
+        if not any(present):
+            return True
+        blind = [rank for rank, found in enumerate(present) if not found]
+        raise CheckpointError(f"load_checkpoint: ranks {blind} see no 'latest' in {str(load_dir)!r} while the others "
+                              "do: checkpoints must live where every rank reads the same files")
+
+    def _restore_run(self, restored: checkpoint_state.Restored) -> None:
+        """Put back what is saved per rank (generators, registered objects) and say what changed with the world."""
+        facts = restored.facts
+        if facts is not None and self.global_rank == 0:
+            now = self._run_facts()
+            if facts["train_batch_size"] != now["train_batch_size"]:
+                log.warning(
+                    "load_checkpoint: the global batch changes from %d (world %d: micro %d x accumulation %d) to %d "
+                    "(world %d: micro %d x accumulation %d); set train_batch_size to a multiple of micro x world to keep it",
+                    facts["train_batch_size"], restored.world_size, facts["micro_batch_per_gpu"],
+                    facts["gradient_accumulation_steps"], now["train_batch_size"], self.world_size,
+                    now["micro_batch_per_gpu"], now["gradient_accumulation_steps"],
+                )
+        states = restored.rank_states
+        if states is None:
+            return
+        if restored.world_size != self.world_size:
+            if self.global_rank == 0:
+                names = sorted({name for state in states for name in state["registered"]})
+                log.warning("load_checkpoint: saved at world size %d, loaded at %d: each rank's random generators%s "
+                            "belong to the ranks of that world and are left as they are", restored.world_size,
+                            self.world_size, f" and registered states {names}" if names else "")
+            return
+        mine = states[self.global_rank]
+        rng_state.restore(mine["rng"], self.device)
+        self._pending_states = {}
+        for name, value in mine["registered"].items():
+            target = self._checkpoint_states.get(name)
+            if target is None:
+                self._pending_states[name] = value  # applied when registered
+            else:
+                target.load_state_dict(value)
+        unsaved = sorted(set(self._checkpoint_states) - set(mine["registered"]))
+        if unsaved and self.global_rank == 0:
+            log.warning("load_checkpoint: the checkpoint holds no state for %s (registered after it was saved)", unsaved)
+
+    def _save_on_interval(self) -> None:
+        """After an optimizer step: the automatic checkpoint, when the config's interval says so."""
+        cfg = self.config.checkpoint
+        if cfg.automatic and self.global_steps % cfg.interval_steps == 0:  # type: ignore[operator]
+            assert cfg.dir is not None
+            self.save_checkpoint(cfg.dir, client_state=self.client_state, keep_last=cfg.keep_last,
+                                 async_save=cfg.async_save)
+
+    def resume_from_config(self) -> str | None:
+        """`checkpoint.resume`: load the newest complete checkpoint in `checkpoint.dir` if there is one
+        (what `zero3.initialize` does); returns its path, or None on a first run."""
+        cfg = self.config.checkpoint
+        if not cfg.resume or cfg.dir is None:
+            return None
+        if self._holds_no_checkpoint(cfg.dir):
+            if self.global_rank == 0:
+                log.info("checkpoint.resume: no checkpoint in %r yet; starting at step 0", cfg.dir)
+            return None
+        path, _ = self.load_checkpoint(cfg.dir)
+        if self.global_rank == 0:
+            log.info("checkpoint.resume: resumed from %s at step %d", path, self.global_steps)
+        return path
+
+    def _checkpointed(self, saving: bool = False) -> checkpoint_state.CheckpointedEngine:
         checkpoint_state = _state()
         return checkpoint_state.CheckpointedEngine(
             module=self.module, comm=self.comm, rank=self.global_rank, world_size=self.world_size,
@@ -248,4 +380,5 @@ class CheckpointMethods:
             optimizer=self.optimizer, loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
             host_pool=self.parts.host_pool,
             counters=checkpoint_state.TrainingCounters(self.global_steps, self.micro_steps, self.skipped_steps),
+            rank_state=self._rank_state() if saving else None, facts=self._run_facts(),
         )

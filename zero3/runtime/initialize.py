@@ -57,14 +57,17 @@ def initialize(
         check_dataset(training_data)
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
-    comm.init_distributed(device)
+    comm.join_default_group(device, cfg.comm_timeout_s)
+    communicator = comm.Communicator.for_engine(cfg.comm_timeout_s)
     engine = ZeroEngine(
-        model, cfg, comm.Communicator(), ShardMesh.of_group(), device, model_parameters, lr_scheduler, optimizer,
+        model, cfg, communicator, ShardMesh.of_group(communicator.group), device, model_parameters, lr_scheduler,
+        optimizer,
     )
     # Partitioning freed every whole value it sharded (under zero3.Init, every module's) between shards that
     # stay: glibc keeps those pages resident in its heap, where later allocations of other sizes rarely fit
     # (measured at GPT 12 x 1024 fp32, 2 ranks: 450-570 MiB per rank). Hand them back once the build is done.
     accelerator.release_host_memory()
+    engine.resume_from_config()  # checkpoint.resume: the newest complete checkpoint, if there is one
     loader = None
     if training_data is not None:
         loader = training_loader(

@@ -1,0 +1,124 @@
+"""Jobs under `torchrun --max-restarts` that lose ranks to SIGKILL and finish as if nothing happened.
+
+Each job is tests/restart_job.py: automatic checkpoints every step, `resume`
+from the config, a registered sampler and dropout. Ranks kill themselves at
+chosen steps of chosen attempts (mid-step, mid-save, right after an async
+save started); torchrun restarts the workers, and the finished job's losses,
+fp32 masters and each rank's next random draw must equal an uninterrupted
+run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import children_of, run_ranks, script_env
+from tests.test_resume import job, job_outputs, same_outputs
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "restart_job.py"
+STEPS = 6
+
+
+def torchrun(out: Path, ckpt: Path, *args: str, restarts: int, nproc: int = 2) -> subprocess.CompletedProcess:
+    """The job under torchrun; a hang fails the test at the deadline instead of sticking."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(JOB), str(out), "--ckpt", str(ckpt),
+               "--steps", str(STEPS), *args]
+    # A cluster user sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface between nodes.
+    env = script_env(str(REPO), GLOO_SOCKET_IFNAME="lo")
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+
+
+def reference(root: Path, precision: str) -> dict[str, Any]:
+    out = root / f"reference-{precision}"
+    out.mkdir()
+    run_ranks(2, job, [str(out), "--ckpt", str(root / f"reference-{precision}-ckpt"), "--steps", str(STEPS),
+                       "--precision", precision])
+    return job_outputs(out, 2)
+
+
+def attempts(out: Path) -> dict[int, dict[str, Any]]:
+    found = {}
+    for path in out.glob("attempt*_r0.json"):
+        found[int(path.name.removeprefix("attempt").split("_")[0])] = json.loads(path.read_text())
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_three_kills_mid_step_mid_save_and_after_an_async_save_end_bit_identical(tmp_path: Path) -> None:
+    expected = reference(tmp_path, "fp32")
+    out, ckpt = tmp_path / "killed", tmp_path / "ckpt"
+    done = torchrun(out, ckpt, "--async-save", "--kill", "0:1:2:mid_step", "--kill", "1:0:4:mid_save",
+                    "--kill", "2:1:5:after_async", restarts=3)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    started = attempts(out)
+    assert sorted(started) == [0, 1, 2, 3], started
+    assert started[1]["resumed_at"] in (0, 1)  # killed in step 2, while step 1's async save may still write
+    assert started[2]["resumed_at"] == 3  # step 4's save was cut off: it never became latest
+    assert started[3]["resumed_at"] in (4, 5)  # step 5's async save may or may not have finished
+    assert all(attempt["sampler_restored"] for attempt in started.values())
+    assert same_outputs(job_outputs(out, 2), expected)
+
+
+@pytest.mark.timeout(600)
+def test_a_bf16_job_killed_mid_save_ends_bit_identical(tmp_path: Path) -> None:
+    expected = reference(tmp_path, "bf16")
+    out, ckpt = tmp_path / "killed", tmp_path / "ckpt"
+    done = torchrun(out, ckpt, "--precision", "bf16", "--kill", "0:0:3:mid_save", restarts=1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert attempts(out)[1]["resumed_at"] == 2
+    assert same_outputs(job_outputs(out, 2), expected)
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_lose_one_and_the_survivor_resumes_at_half_the_world(tmp_path: Path) -> None:
+    """Two torchrun agents of 2 ranks each (`--nnodes 1:2`, a c10d rendezvous on 127.0.0.1) train as a world
+    of 4; one node dies (its agent and workers SIGKILLed); the other restarts, rendezvouses alone and
+    finishes at world 2 from the last checkpoint, the global batch kept by the accumulation."""
+    import os
+    import signal
+    import time
+
+    from tests.distributed import free_port
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes",
+               "--rdzv-conf", "last_call_timeout=3,join_timeout=60", str(JOB), str(out), "--ckpt", str(ckpt),
+               "--steps", "12"]
+    env = script_env(str(REPO), GLOO_SOCKET_IFNAME="lo")
+    survivor = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # the first agent hosts the rendezvous store
+    lost = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while not (ckpt / "latest").is_file() and survivor.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert survivor.poll() is None and lost.poll() is None, "a node ended before the other was lost"
+        node = [lost.pid, *children_of(lost.pid)]
+        for pid in node:  # the agent first, so it restarts nothing
+            os.kill(pid, signal.SIGKILL)
+        log, _ = survivor.communicate(timeout=200)
+    finally:
+        for job in (survivor, lost):
+            if job.poll() is None:
+                job.kill()
+        lost.wait()
+    assert survivor.returncode == 0, log[-6000:]
+    started = attempts(out)
+    assert started[0]["world"] == 4 and started[0]["gas"] == 1
+    last = started[max(started)]
+    assert last["world"] == 2 and last["gas"] == 2 and last["resumed_at"] >= 1  # train_batch_size 8 kept
+    assert any("saved at world size 4, loaded at 2" in line for line in last["warnings"])
+    final = [json.loads((out / f"final_r{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(result["steps"] == 12 for result in final)
