@@ -9,6 +9,10 @@ gloo backend, one thread per rank, once per engine:
                         default ``stage3_param_persistence_threshold``;
 * ``zero3-persist0`` -- the same with ``stage3_param_persistence_threshold: 0``
                         (every parameter partitioned, gathered on use);
+* ``zero3-ckpt``     -- ``zero3`` with automatic checkpoints after every step (the config's
+                        ``checkpoint``: ``interval_steps: 1``, ``async_save: true``, ``keep_last: 2``, into a
+                        temporary directory): what checkpointing every step costs a step (issue 39's
+                        target: at most 5%; ``benchmarks/checkpoint.py --overhead`` runs this pair);
 * ``fsdp2``          -- ``fully_shard`` on each transformer block, then on the root, with
                         ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``,
                         ``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_(1.0)``;
@@ -53,6 +57,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import platform
 import pstats
 import resource
@@ -73,7 +78,7 @@ from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, GPTConfig
 
-ENGINES = ("zero3", "zero3-persist0", "fsdp2", "deepspeed", "ddp")
+ENGINES = ("zero3", "zero3-persist0", "zero3-ckpt", "fsdp2", "deepspeed", "ddp")
 _REPO = Path(__file__).resolve().parent.parent
 _DEFAULT_OUT = _REPO / "benchmarks" / "results" / "step_time.json"
 
@@ -293,12 +298,17 @@ def _device(job: Job) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if job.device == "cuda" else torch.device("cpu")
 
 
-def _build_zero3(job: Job, threshold: int | None):
+def _build_zero3(job: Job, threshold: int | None, checkpoints: bool = False):
     import zero3
 
     cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size,
                     json.loads(job.optimizer) if job.optimizer else None, job.prefetch_bucket_size)
     cfg["wall_clock_breakdown"] = job.breakdown
+    checkpoint_dir = None
+    if checkpoints:
+        # One directory for the job's ranks: made by rank 0, named by the job's launch (the same on every rank).
+        checkpoint_dir = Path(tempfile.gettempdir()) / f"zero3-step-time-ckpt-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        cfg["checkpoint"] = {"dir": str(checkpoint_dir), "interval_steps": 1, "async_save": True, "keep_last": 2}
     torch.manual_seed(job.seed)
     with zero3.Init(config=cfg, device=_device(job)):
         model = GPT(job.model)
@@ -311,6 +321,13 @@ def _build_zero3(job: Job, threshold: int | None):
         return {k: int(v) for k, v in engine.model_state_bytes().items()}
 
     def close() -> None:
+        if checkpoint_dir is not None:
+            engine.wait_for_checkpoint()
+            dist.barrier()
+            if os.environ.get("RANK", "0") == "0":
+                print(f"zero3-ckpt: {len(list(checkpoint_dir.glob('global_step*')))} checkpoints kept of "
+                      f"{engine.global_steps} saved", flush=True)
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
         heap = engine.reducer.heap_return  # on the CPU: the heap the backward freed, handed back (host_heap)
         if heap.enabled and os.environ.get("RANK", "0") == "0":
             print(f"zero3 rank 0: {heap.calls} heap hand-backs in {heap.seconds * 1e3:.0f} ms "
@@ -386,6 +403,8 @@ def _build(job: Job):
         return _build_zero3(job, None)
     if job.engine == "zero3-persist0":
         return _build_zero3(job, 0)
+    if job.engine == "zero3-ckpt":
+        return _build_zero3(job, None, checkpoints=True)
     if job.engine == "fsdp2":
         return _build_fsdp2(job)
     if job.engine == "deepspeed":
@@ -830,6 +849,9 @@ def print_memory(results: dict[str, Any], console: Any) -> None:
 def ratios(engines: dict[str, Any]) -> dict[str, float]:
     """zero3's (and zero3-persist0's) step time and peak memory over every other engine's."""
     out: dict[str, float] = {}
+    ckpt, plain = engines.get("zero3-ckpt"), engines.get("zero3")
+    if ckpt and plain and "error" not in ckpt and "error" not in plain:
+        out["zero3-ckpt/zero3 median step time"] = ckpt["median_ms"] / plain["median_ms"]
     for name in ("zero3", "zero3-persist0"):
         res = engines.get(name)
         if not res or "error" in res:

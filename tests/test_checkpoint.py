@@ -373,6 +373,7 @@ def check_damaged_files_refused(out: dict[str, Any]) -> None:
         assert out[f"{case}/unchanged"], case
     assert "__1_0.distcp" in out["truncated"] and "truncated" in out["truncated"]
     assert "__0_0.distcp" in out["corrupted"] and "corrupted" in out["corrupted"]
+    assert "__0_0.distcp': item model." in out["corrupted"], out["corrupted"]  # the item, by name
     assert "zero3_engine.pt" in out["unfinished"] and "did not complete" in out["unfinished"]
     assert "zero3_engine.pt" in out["engine_flip"] and "corrupted" in out["engine_flip"], out["engine_flip"]
     assert ".metadata" in out["metadata_shift"] and "corrupted" in out["metadata_shift"], out["metadata_shift"]
@@ -386,6 +387,70 @@ def test_damaged_checkpoint_files_are_refused_on_every_rank_at_three_ranks(
     good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
     for out in run_ranks(3, bad_loads, str(tmp_path), good, DAMAGED_FILES):
         check_damaged_files_refused(out)
+
+
+def flip_byte(file: str, at: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def other_reads(rank: int, world: int, root: str, good: str) -> dict:
+    """The checkpoint loaded three ways: as saved (its small items read, not mapped), with every item
+    read through the mapping, and from a copy whose engine file sums each data file whole (as a tag
+    saved before item sums does); a flipped byte refused each way, changing nothing."""
+    import shutil
+
+    from zero3.checkpoint import trust
+    from zero3.checkpoint.tags import checksums, dcp_files, write_engine_sum
+
+    engine = build("fp32", root, seed=99)  # (joins the process group)
+    copies = {case: os.path.join(root, case, f"global_step{SAVED_AT}") for case in ("whole", "whole_flip", "flip")}
+    if rank == 0:
+        for case, copy in copies.items():
+            shutil.copytree(good, copy)
+            if case.startswith("whole"):
+                engine_file = Path(copy) / "zero3_engine.pt"
+                state = torch.load(engine_file, weights_only=True)
+                state["files"] |= checksums(dcp_files(Path(copy)))
+                torch.save(state, engine_file)
+                write_engine_sum(engine_file)
+        flip_byte(os.path.join(copies["whole_flip"], "__0_0.distcp"), 300)
+        flip_byte(os.path.join(copies["flip"], "__1_0.distcp"), 300)
+    torch.distributed.barrier()
+    out: dict[str, Any] = {}
+    for case, where, read_below in (("items", good, trust._READ_BELOW), ("whole", copies["whole"], trust._READ_BELOW),
+                                    ("mapped", good, 0), ("whole_flip", copies["whole_flip"], trust._READ_BELOW),
+                                    ("flip", copies["flip"], 0)):
+        trust._READ_BELOW, kept = read_below, trust._READ_BELOW
+        before = snapshot(engine)
+        try:
+            engine.load_checkpoint(os.path.dirname(where), tag=f"global_step{SAVED_AT}")
+            out[case] = snapshot(engine)
+        except zero3.CheckpointError as error:
+            out[case] = str(error)
+            out[f"{case}/unchanged"] = all(torch.equal(before[k], value) for k, value in snapshot(engine).items())
+        trust._READ_BELOW = kept
+        train(engine, rank, world, data()[:1])  # every state moves on: the next load must bring it back
+    engine.destroy()
+    for case in ("whole", "mapped"):
+        out[case] = all(torch.equal(out["items"][k], value) for k, value in out[case].items())
+    del out["items"]
+    return out
+
+
+def test_items_read_through_the_mapping_or_files_summed_whole_load_alike_and_are_checked(
+    saved: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
+    for out in run_ranks(2, other_reads, str(tmp_path), good):
+        assert out["whole"] is True and out["mapped"] is True
+        assert out["whole_flip/unchanged"] and out["flip/unchanged"]
+        assert "__0_0.distcp' does not match the checksum" in out["whole_flip"], out["whole_flip"]
+        assert "__1_0.distcp': item " in out["flip"] and "(corrupted)" in out["flip"], out["flip"]
 
 
 # ---- 6: async save ----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""A checkpoint from someone else runs no code: every file is read weights-only or through DCP's
-metadata allowlist, a refused file is named with the global it names, and nothing changes."""
+"""A checkpoint from someone else runs no code: every file is read weights-only or through an allowlist
+(DCP's metadata, its tensor items), a refused file is named with the global it names, and nothing changes."""
 
 from __future__ import annotations
 
@@ -202,3 +202,50 @@ def test_a_users_class_needs_the_opt_in(tmp_path: Path, device: str) -> None:
     assert export(tmp_path, out).returncode != 0
     done = export(tmp_path, out, "--trust-checkpoint")
     assert done.returncode == 0 and (out / "model.safetensors").exists(), done.stderr
+
+
+def items_file(tmp_path: Path, objects: dict[str, object]) -> tuple[Path, dict[str, tuple[int, int]]]:
+    """The objects `torch.save`d back to back after 3 bytes, as DCP writes a rank's items (at any offset)."""
+    data, spans = bytearray(b"pad"), {}
+    for name, value in objects.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        spans[name] = (len(data), len(data) + len(buffer.getvalue()))
+        data += buffer.getvalue()
+    file = tmp_path / "__0_0.distcp"
+    file.write_bytes(bytes(data))
+    return file, spans
+
+
+def test_a_dcp_item_reads_as_torch_load_reads_it_a_plain_one_as_a_view_of_the_file(tmp_path: Path) -> None:
+    from zero3.checkpoint.tags import mapped
+    from zero3.checkpoint.trust import tensor_item
+
+    tensors = {
+        "float32": torch.randn(5, 7), "bfloat16": torch.randn(3, 4).bfloat16(), "bool": torch.rand(6) > 0.5,
+        "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "transposed": torch.randn(4, 6).t(),
+        "part of a storage": torch.randn(10)[2:7],
+        "uint16": torch.arange(5).to(torch.uint16),  # not a typed storage: read by torch.load
+    }
+    file, spans = items_file(tmp_path, tensors)
+    view = mapped(file)
+    for name, (start, end) in spans.items():
+        read = tensor_item(view[start:end], file, name)
+        expected = torch.load(io.BytesIO(view[start:end].tobytes()), weights_only=True)
+        assert (read.dtype, read.shape, read.stride()) == (expected.dtype, expected.shape, expected.stride()), name
+        assert torch.equal(read, expected), name
+    first = tensor_item(view[slice(*spans["float32"])], file, "float32")
+    mapping = torch.frombuffer(view, dtype=torch.uint8)
+    assert mapping.data_ptr() <= first.data_ptr() < mapping.data_ptr() + len(view)  # nothing copied
+
+
+def test_a_dcp_item_that_names_a_foreign_global_is_refused_named_and_never_run(tmp_path: Path) -> None:
+    from zero3.checkpoint.tags import mapped
+    from zero3.checkpoint.trust import tensor_item
+
+    marker = tmp_path / "payload-ran"
+    file, spans = items_file(tmp_path, {"planted": {"t": torch.zeros(2), "p": Planted(str(marker))}})
+    with pytest.raises(zero3.CheckpointError) as info:
+        tensor_item(mapped(file)[slice(*spans["planted"])], file, "item model.w at [0]")
+    assert "__0_0.distcp" in str(info.value) and "item model.w at [0]" in str(info.value)
+    assert "posix.system" in str(info.value) and not marker.exists()

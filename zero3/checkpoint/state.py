@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from zero3 import accelerator
 from zero3.checkpoint.async_saves import STAGING
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
-from zero3.checkpoint.trust import CheckpointReader, load_engine_file
+from zero3.checkpoint.trust import CheckpointReader, VerifiedReader, load_engine_file
 from zero3.checkpoint.tags import (
-    ENGINE_FILE, LATEST, METADATA, CheckpointError, check_engine_file, check_tag, checksums, damage_error, damaged,
-    dcp_files, prune, publish, resolve, staging_dir, write_engine_sum,
+    ENGINE_FILE, LATEST, METADATA, CheckpointError, FileSums, check_engine_file, check_tag, checksums, damage_error,
+    damaged, dcp_files, item_checksums, prune, publish, resolve, staging_dir, write_engine_sum,
 )
 from zero3.comm import Communicator
 from zero3.rank_failure import describe, first_failure
@@ -90,7 +90,7 @@ class CheckpointedOptimizer(Protocol):
 
     def scalar_state(self, sp: ShardedParam) -> dict[str, torch.Tensor]: ...
 
-    def set_state(self, sp: ShardedParam, scalars: dict[str, torch.Tensor] | None) -> None: ...
+    def set_states(self, scalars_by_param: Mapping[ShardedParam, dict[str, torch.Tensor] | None]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -279,13 +279,20 @@ class _Write:
         staged = staging_dir(self.root, self.tag)
         problem = None
         try:
-            dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(), process_group=group)
-            # Rank 0 (DCP's coordinator) also sums the metadata it wrote.
-            sums = checksums(dcp_files(staged, self.rank) + ([staged / METADATA] if self.rank == 0 else []))
+            metadata = dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(),
+                                process_group=group)
+            # Each item of this rank's files, so that a load checks each as it reads it (zero3.checkpoint.trust's
+            # [Note: verified reads]); rank 0 (DCP's coordinator) also sums the metadata it wrote, whole.
+            sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else []))
+            items: dict[str, list[tuple[int, int]]] = {}
+            for info in metadata.storage_data.values():
+                items.setdefault(info.relative_path, []).append((info.offset, info.length))
+            for file in dcp_files(staged, self.rank):
+                sums[file.name] = item_checksums(file, items.get(file.name, []))
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
         _agree(comm, problem, group, self.root, self.tag, self.rank)
-        files: dict[str, tuple[int, int]] = {}
+        files: dict[str, FileSums] = {}
         for found in comm.all_gather_objects(sums, group):
             files.update(found)
         if self.rank == 0:
@@ -428,14 +435,28 @@ def _check(
     return path, state, with_optimizer, saved_entries, wanted
 
 
+def _read_failure(error: CheckpointException, path: Path, rank: int) -> BaseException:
+    """What every rank raises when DCP reports that some rank's load failed: the damage every failing rank
+    found, merged; else this rank's own failure, or the first failing rank's."""
+    failures = {found: failure for found, (failure, _) in sorted(error.failures.items())}
+    lines = [line for failure in failures.values() for line in getattr(failure, "problems", ())]
+    if lines:
+        return damage_error(path, list(dict.fromkeys(lines)))  # ranks that read the same item report it once
+    if rank in failures:
+        return failures[rank]
+    everyone = [describe(failures.get(found)) for found in range(max(failures) + 1)]
+    return first_failure(everyone, "load_checkpoint") or error
+
+
 def load(
     engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
     load_lr_scheduler_states: bool, load_module_only: bool, strict: bool, weights_only: bool = True,
 ) -> Restored:
     """Check everything, then read into the engine's buffers (collective). The masters are loaded and
     the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied.
-    Every file is read by every rank before the first collective, so a refused file (see
-    zero3.checkpoint.trust) raises the same error on every rank."""
+    A refused or damaged file raises the same error on every rank, with nothing loaded: the engine
+    file and the metadata are read by every rank before the first collective, and each item is checked
+    as DCP reads it, before any is copied (zero3.checkpoint.trust's [Note: verified reads])."""
     comm = engine.comm
     optimizer = engine.optimizer
     own: Exception | None = None
@@ -443,8 +464,9 @@ def load(
     try:
         path, state, with_optimizer, saved_entries, wanted = _check(engine, load_dir, tag, load_optimizer_states,
                                                                     load_module_only, strict, weights_only)
-        # Every file's checksum, the work split across ranks, before anything changes.
-        names = sorted(state["files"])
+        # The files summed whole (`.metadata`; every file of a tag saved before item sums), the work split
+        # across ranks, before anything changes; the items summed one by one are checked as they are read.
+        names = sorted(name for name, (_, sums) in state["files"].items() if isinstance(sums, int))
         found = damaged(path, state["files"], names[engine.rank :: engine.world_size])
     except Exception as error:  # noqa: BLE001 - every rank raises it, below
         own = error
@@ -461,16 +483,25 @@ def load(
     if not strict:
         wanted = {key: value for key, value in wanted.items() if key in saved_entries}
 
-    dcp.load(wanted, storage_reader=CheckpointReader(path, trusted=not weights_only), planner=LoadPlanner(), process_group=comm.control_group)
+    reader, planner = VerifiedReader(path, state["files"], trusted=not weights_only), LoadPlanner()
+    try:
+        dcp.load(wanted, storage_reader=reader, planner=planner, process_group=comm.control_group)
+    except CheckpointException as error:  # on every rank, each with nothing copied into the engine
+        reader.release()
+        failure = _read_failure(error, path, engine.rank)
+        raise failure from (None if isinstance(failure, CheckpointError) else error)
+    reader.commit(planner)
 
     if optimizer is not None:
         if with_optimizer:
-            for sp in optimizer.params:
-                prefix = f"optim.{sp.name}."
-                stepped = any(key.startswith(prefix) for key in wanted)
-                scalars = {key[len(prefix):]: value for key, value in wanted.items()
-                           if key.startswith(prefix) and isinstance(value, torch.Tensor)}
-                optimizer.set_state(sp, scalars if stepped else None)
+            stepped: dict[str, dict[str, torch.Tensor]] = {}  # each stepped parameter's scalars, by its name
+            for key, value in wanted.items():
+                if key.startswith("optim."):
+                    name, state_name = key[len("optim."):].rsplit(".", 1)  # a state's name has no dot
+                    scalars = stepped.setdefault(name, {})
+                    if isinstance(value, torch.Tensor):
+                        scalars[state_name] = value
+            optimizer.set_states({sp: stepped.get(sp.name) for sp in optimizer.params})
             for group, saved_group in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
                 group.update(saved_group)
         optimizer.lp_stale = True  # the 16-bit shards follow the loaded masters (the engine rewrites them)

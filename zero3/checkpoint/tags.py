@@ -3,20 +3,23 @@
 [Note: crash-safe tags]
 `save_dir/<tag>/` holds DCP's files (one or more `__<rank>_<n>.distcp` per
 rank, and `.metadata`) and `zero3_engine.pt`, the engine's own state with a
-CRC-32 of every DCP file. A save writes into `save_dir/.<tag>.incomplete/`;
-only after every rank's files are written and checksummed does rank 0 write
-`zero3_engine.pt` into it (last, by rename), move the directory to `<tag>`
+CRC-32 of every item of every DCP data file and of `.metadata`. A save writes
+into `save_dir/.<tag>.incomplete/`; only after every rank's files are
+written and checksummed does rank 0 write `zero3_engine.pt` into it (last,
+by rename), move the directory to `<tag>`
 (an older `<tag>` is moved aside first and removed after), and then replace
 `latest` (a temporary file renamed over it). A rank killed at any point
 before that leaves `latest` naming the previous complete tag. `keep_last`
 removes older complete tags, oldest first, only after `latest` names the new
 one. A load checks the files against their checksums before it changes any
-state, so a truncated or corrupted file is reported, naming it, and the live
-engine keeps its state.
+state (each item as it is read: zero3.checkpoint.trust's [Note: verified
+reads]), so a truncated or corrupted file is reported, naming it, and the
+live engine keeps its state.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import shutil
@@ -84,6 +87,14 @@ def dcp_files(path: Path, rank: int | None = None) -> list[Path]:
     return sorted(path.glob(pattern))
 
 
+ItemSums = dict[int, tuple[int, int]]
+"""The items of one DCP data file, by their offset in it: (the item's bytes, their CRC-32)."""
+FileSums = tuple[int, int | ItemSums]
+"""A file's entry in the engine file's "files": (its bytes, its CRC-32); for a DCP data file saved since
+items are summed, (its bytes, each item's sums). A load checks a whole-file CRC-32 before it reads (a
+tag saved before item sums, and `.metadata`), and an item's as it reads the item."""
+
+
 def crc32(path: Path) -> int:
     value = 0
     with open(path, "rb", buffering=0) as source:
@@ -95,6 +106,35 @@ def crc32(path: Path) -> int:
 def checksums(files: list[Path]) -> dict[str, tuple[int, int]]:
     """name -> (bytes, CRC-32)."""
     return {f.name: (f.stat().st_size, crc32(f)) for f in files}
+
+
+def mapped(file: Path) -> memoryview:
+    """The file's bytes, mapped copy-on-write (so that a tensor may view them; nothing writes them), and
+    unmapped once nothing refers to them."""
+    with open(file, "rb") as source:
+        if os.fstat(source.fileno()).st_size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_COPY))
+
+
+def item_checksums(file: Path, items: list[tuple[int, int]]) -> tuple[int, ItemSums]:
+    """A DCP data file's entry (see `FileSums`): its bytes and each of `items` (offset, bytes) summed."""
+    view = mapped(file)
+    return len(view), {offset: (length, zlib.crc32(view[offset : offset + length])) for offset, length in items}
+
+
+def item_problem(file: Path, data: memoryview, offset: int, length: int, sums: ItemSums, what: str) -> str | None:
+    """What is wrong with the item of a data file at `offset` (`length` bytes, of which `data` holds what the
+    file has), if anything."""
+    expected = sums.get(offset)
+    where = f"{str(file)!r}: {what} (bytes {offset}..{offset + length})"
+    if expected is None or expected[0] != length:
+        return f"{where} is not an item the save checksummed (the metadata and the engine file disagree)"
+    if len(data) != length:
+        return f"{where} lies past the file's end (truncated?)"
+    if zlib.crc32(data) != expected[1]:
+        return f"{where} does not match the checksum taken when it was written (corrupted)"
+    return None
 
 
 def write_engine_sum(file: Path) -> None:
@@ -117,22 +157,38 @@ def check_engine_file(path: Path) -> None:
 
 
 def damage_error(path: Path, problems: list[str]) -> CheckpointError:
-    """The error a load raises for a tag whose files do not match their sums (one line per file)."""
-    return CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(problems))
+    """The error a load raises for a tag whose files do not match their sums (one line per file or item);
+    the lines travel with it (`problems`), so that ranks can merge what each found."""
+    error = CheckpointError(f"the checkpoint {str(path)!r} is damaged; nothing was loaded:\n  " + "\n  ".join(problems))
+    error.problems = list(problems)  # type: ignore[attr-defined]
+    return error
 
 
-def damaged(path: Path, expected: dict[str, tuple[int, int]], names: list[str]) -> list[str]:
-    """Problems with these files of a tag, one line each (a missing, truncated or corrupted file)."""
+def file_problem(file: Path, size: int) -> str | None:
+    """A missing file, or one of another size than was written."""
+    if not file.is_file():
+        return f"{str(file)!r} is missing"
+    if file.stat().st_size != size:
+        return f"{str(file)!r} has {file.stat().st_size} bytes, {size} were written (truncated?)"
+    return None
+
+
+def damaged(path: Path, expected: dict[str, FileSums], names: list[str]) -> list[str]:
+    """Problems with these files of a tag, one line each (a missing, truncated or corrupted file, or item)."""
     problems = []
     for name in names:
         file = path / name
-        size, crc = expected[name]
-        if not file.is_file():
-            problems.append(f"{str(file)!r} is missing")
-        elif file.stat().st_size != size:
-            problems.append(f"{str(file)!r} has {file.stat().st_size} bytes, {size} were written (truncated?)")
-        elif crc32(file) != crc:
-            problems.append(f"{str(file)!r} does not match the checksum taken when it was written (corrupted)")
+        size, sums = expected[name]
+        if (problem := file_problem(file, size)) is not None:
+            problems.append(problem)
+        elif isinstance(sums, int):
+            if crc32(file) != sums:
+                problems.append(f"{str(file)!r} does not match the checksum taken when it was written (corrupted)")
+        else:
+            view = mapped(file)
+            found = (item_problem(file, view[offset : offset + length], offset, length, sums, "the item")
+                     for offset, (length, _) in sorted(sums.items()))
+            problems += [problem for problem in found if problem is not None]
     return problems
 
 

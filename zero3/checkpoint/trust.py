@@ -12,27 +12,66 @@ read with a plain unpickler:
   `CheckpointReader`, whose unpickler admits only the globals a DCP save
   writes (its metadata classes, `torch.Size`, dtypes, the layout and memory
   format lookups, a path);
+* DCP's tensor items (each a `torch.save` of one tensor) are read by
+  `VerifiedReader`: the plain dense tensor zero3 saves through an unpickler
+  that admits only `_rebuild_tensor_v2`, the typed storages and
+  `OrderedDict` (the tensor a view of the mapped file), anything else by
+  `torch.load(weights_only=True)`;
 * DCP's BYTE_IO entries (objects DCP would `torch.load(weights_only=False)`)
   are refused: zero3 saves none.
 A file that names anything else raises `CheckpointError` naming the file and
 the refused global, before any of it runs. `weights_only=False` (the user's
 explicit word) reads the engine file as torch would without the guard.
+
+[Note: verified reads]
+A checkpoint's bytes are read once, and nothing reaches the engine until every
+rank has checked what it read:
+1. before DCP runs, `load` checks the engine file, `.metadata`, and any data
+   file summed whole (a tag saved before item sums), the files split across
+   ranks and the findings exchanged;
+2. in DCP's read step, `VerifiedReader.read_data` maps each file its plan
+   names, checks each saved item it needs against the CRC-32 taken when the
+   item was written (zero3.checkpoint.tags' `FileSums`), and holds the item
+   as a tensor viewing the mapping (a small one is read into a buffer of
+   its own instead: see `_READ_BELOW`). It copies nothing into the engine; a
+   damaged item raises, naming the file and the item;
+3. DCP ends its read step with an all-gather of every rank's outcome, so a
+   failure on one rank raises on all of them (`CheckpointException`), each
+   with nothing copied;
+4. only after that does `commit` copy the held tensors into the planner's
+   targets (the engine's buffers, or a disk tier through the planner's
+   write-back), as DCP's own reader would have as it read.
+Between 2 and 4 a rank holds the saved items its plan reads (at the saving
+world size, its own files: its shard of every state loaded) as mapped page
+cache, not as copies: nothing is allocated for them but the small items'
+buffers, the kernel may drop pages under memory pressure and read them
+again, and a file truncated while it is mapped ends the process (SIGBUS), as
+with `torch.load(mmap=True)`. DCP's own reader instead allocates each item in
+turn and copies it into the engine at once, before the other ranks have read
+theirs.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import re
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from zero3.checkpoint.tags import CheckpointError
+from zero3.checkpoint.tags import CheckpointError, FileSums, damage_error, file_problem, item_problem, mapped
 
 log = logging.getLogger("zero3")
 
@@ -128,3 +167,224 @@ def load_engine_file(file: Path, weights_only: bool = True) -> Any:
 def load_engine_bytes(data: bytes) -> Any:
     """An engine state this process serialized itself (the async save's copy): still weights-only."""
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# An item below this many bytes is read rather than mapped: a page fault reads ahead around itself (up to
+# the device's read-ahead, often megabytes), so faulting in a small item (a scalar saved in another rank's
+# file) would read that much more of a file this rank otherwise does not need.
+_READ_BELOW = 1 << 20
+
+
+class VerifiedReader(CheckpointReader):
+    """A `CheckpointReader` whose reads are checked and held: each saved item a plan needs is read once,
+    checked against its sum, and kept; `commit` copies what was read into the planner's tensors once
+    every rank's reads passed (see [Note: verified reads]).
+
+    `sums` is the engine file's "files" (zero3.checkpoint.tags' `FileSums`): a data file summed whole
+    was checked before DCP ran, a file summed per item is checked here.
+    """
+
+    def __init__(self, path: str | Path, sums: Mapping[str, FileSums], trusted: bool = False) -> None:
+        super().__init__(path, trusted)
+        self.sums = sums
+        self._held: list[tuple[ReadItem, torch.Tensor]] = []
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._held = []
+        per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, {}).setdefault(item.storage_index, []).append(item)
+        problems: list[str] = []
+        for name, saved in sorted(per_file.items()):
+            problems += self._read_file(Path(self.path) / name, saved, planner)
+        if problems:
+            self._held = []
+            raise damage_error(Path(self.path), problems)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, file: Path, saved: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner) -> list[str]:
+        """One file's saved items, in file order: each checked, then held per read item; the problems found."""
+        sums = self.sums.get(file.name)
+        if sums is None:
+            return [f"{str(file)!r} is not among the files the save checksummed"]
+        size, item_sums = sums
+        if (problem := file_problem(file, size)) is not None:
+            return [problem]
+        view = mapped(file)
+        problems = []
+        with open(file, "rb", buffering=0) as source:
+            for index in sorted(saved, key=lambda index: self.storage_data[index].offset):
+                info = self.storage_data[index]
+                what = f"item {index.fqn} at {list(index.offset or ())}"
+                if info.transform_descriptors:
+                    raise CheckpointError(f"{str(file)!r}: {what} was written through "
+                                          f"{list(info.transform_descriptors)}, which zero3 never writes")
+                if info.length < _READ_BELOW:  # (see `_READ_BELOW`)
+                    raw = memoryview(bytearray(info.length))
+                    raw = raw[: os.preadv(source.fileno(), [raw], info.offset)]
+                else:
+                    raw = view[info.offset : info.offset + info.length]
+                if not isinstance(item_sums, int):  # (a file summed whole was checked before DCP ran)
+                    if (problem := item_problem(file, raw, info.offset, info.length, item_sums, what)) is not None:
+                        problems.append(problem)
+                        continue
+                self._hold(raw, saved[index], planner, file, what)
+        return problems
+
+    def _hold(self, raw: memoryview, reads: list[ReadItem], planner: LoadPlanner, file: Path, what: str) -> None:
+        """A checked saved item, kept as the pieces its read items copy (a BYTE_IO one handed to the planner)."""
+        if reads[0].type == LoadItemType.BYTE_IO:
+            for item in reads:
+                planner.load_bytes(item, io.BytesIO(raw.tobytes()))  # zero3's planner refuses these
+            return
+        tensor = tensor_item(raw, file, what)
+        self._held += [(item, _piece(tensor, item, file, what)) for item in reads]
+
+    def commit(self, planner: LoadPlanner) -> None:
+        """Copy what `read_data` held into the planner's tensors (DCP's own copy, made after every rank's
+        reads passed), then let the mapped files go."""
+        held, self._held = self._held, []
+        for item, piece in held:
+            target = planner.resolve_tensor(item).detach()  # (its shape is the item's lengths, as the piece's)
+            target.copy_(piece)
+            planner.commit_tensor(item, target)
+
+    def release(self) -> None:
+        """Let go of what was read and not committed (a load that failed)."""
+        self._held = []
+
+
+def _piece(tensor: torch.Tensor, item: ReadItem, file: Path, what: str) -> torch.Tensor:
+    """The part of a saved item that a read item copies (a view), checked to lie inside it."""
+    ends = [start + length for start, length in zip(item.storage_offsets, item.lengths)]
+    if len(ends) != tensor.dim() or any(end > size for end, size in zip(ends, tensor.shape)):
+        raise CheckpointError(f"{str(file)!r}: {what} holds a tensor of shape {list(tensor.shape)}, where the "
+                              f"metadata reads up to {ends}")
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def tensor_item(raw: memoryview, file: Path, what: str) -> torch.Tensor:
+    """One DCP tensor item (the `torch.save` of one tensor): a plain dense tensor as a view of `raw`,
+    anything else as `torch.load(weights_only=True)` reads it (see the first Note)."""
+    try:
+        records = _records(raw)
+        tensor = _ItemUnpickler(records).load_tensor()
+        if tensor is not None:
+            return tensor
+        return torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=True)  # as DCP's reader
+    except pickle.UnpicklingError as error:  # (DCP's own reader refuses the same, whatever the caller trusts)
+        found = _GLOBAL.search(str(error))
+        name = found.group(1) if found else "a global outside torch's weights-only allowlist"
+        raise CheckpointError(f"{str(file)!r}: {what} names {name}, which a checkpoint's tensor may not (unpickling "
+                              "it could run code). Nothing was loaded.") from None
+    except Exception as error:  # noqa: BLE001 - any failure to read it is a damaged file
+        raise CheckpointError(f"{str(file)!r}: {what} cannot be read ({type(error).__name__}: {error})") from None
+
+
+class _Bytes(io.RawIOBase):
+    """A read-only, seekable stream over a memoryview, copying nothing it is not asked for (for zipfile)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at = offset + (0, self._at, len(self._view))[whence]
+        return self._at
+
+    def readinto(self, out: Any) -> int:
+        count = max(0, min(len(out), len(self._view) - self._at))
+        out[:count] = self._view[self._at : self._at + count]
+        self._at += count
+        return count
+
+
+_LOCAL_HEADER = 30  # a zip local file header's fixed part; its name and extra-field lengths are at 26 and 28
+
+
+def _records(raw: memoryview) -> dict[str, memoryview]:
+    """The records of a `torch.save` archive (stored, never compressed) by name past the archive's own
+    folder: views of `raw`."""
+    records = {}
+    for info in zipfile.ZipFile(_Bytes(raw)).infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise zipfile.BadZipFile(f"{info.filename} is compressed")
+        at = info.header_offset
+        start = at + _LOCAL_HEADER + int.from_bytes(raw[at + 26 : at + 28], "little") \
+            + int.from_bytes(raw[at + 28 : at + 30], "little")
+        records[info.filename.split("/", 1)[-1]] = raw[start : start + info.file_size]
+    return records
+
+
+# The storages a plain dense tensor's pickle names, by name (the classes' own `dtype` is deprecated to read).
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class _NotPlain(Exception):
+    """The item is not the plain dense tensor `_ItemUnpickler` reads: torch's own reader reads it."""
+
+
+class _ItemUnpickler(pickle.Unpickler):
+    """The pickle of one plain dense tensor, whose storage becomes a view of its record (nothing copied)."""
+
+    def __init__(self, records: dict[str, memoryview]) -> None:
+        super().__init__(io.BytesIO(records["data.pkl"]))
+        self._records = records
+
+    def load_tensor(self) -> torch.Tensor | None:
+        """The tensor, or None where it is anything else than a plain dense one in this machine's byte order."""
+        byteorder = self._records.get("byteorder")
+        if byteorder is not None and bytes(byteorder).decode() != sys.byteorder:
+            return None
+        try:
+            tensor = self.load()
+        except _NotPlain:
+            return None
+        return tensor if isinstance(tensor, torch.Tensor) else None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        raise _NotPlain
+
+    def persistent_load(self, saved_id: Any) -> torch.Tensor:
+        if not (isinstance(saved_id, tuple) and len(saved_id) == 5):
+            raise _NotPlain
+        kind, dtype, key, _location, numel = saved_id
+        record = self._records.get(f"data/{key}")
+        if kind != "storage" or not isinstance(dtype, torch.dtype) or record is None:
+            raise _NotPlain
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(record, dtype=dtype, count=numel)
+
+
+def _rebuild_tensor(
+    storage: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+    hooks: Any, metadata: Any = None,
+) -> torch.Tensor:
+    if hooks or metadata:
+        raise _NotPlain
+    return storage.as_strided(size, stride, offset)

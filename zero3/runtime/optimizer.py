@@ -41,7 +41,7 @@ accessors and `offload_states` see the same masters through the slots; the
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -600,23 +600,29 @@ class ZeroOptimizer:
     def set_state(self, sp: ShardedParam, scalars: dict[str, torch.Tensor] | None) -> None:
         """Mark the parameter stepped with these scalars (its elementwise states were written into the
         buffers), or, with None, never stepped (torch creates its state at its next step)."""
-        for master in self._masters_by_param[sp]:
-            state = self.optimizer.state[master]
-            state.clear()
-            if scalars is None:
-                self._fresh.add(master)
-                continue
-            self._fresh.discard(master)
-            for name, value in scalars.items():
-                state[name] = value.to(device=self.step_device).clone()
-            for name in self.state_names:
-                state[name] = torch.empty(0, device=self.step_device)  # bound to the buffers below
+        self.set_states({sp: scalars})
+
+    def set_states(self, scalars_by_param: Mapping[ShardedParam, dict[str, torch.Tensor] | None]) -> None:
+        """`set_state` for many parameters, the views bound once for all (a load sets every parameter)."""
+        for sp, scalars in scalars_by_param.items():
+            for master in self._masters_by_param[sp]:
+                state = self.optimizer.state[master]
+                state.clear()
+                if scalars is None:
+                    self._fresh.add(master)
+                    continue
+                self._fresh.discard(master)
+                for name, value in scalars.items():
+                    state[name] = value.to(device=self.step_device).clone()
+                for name in self.state_names:
+                    state[name] = torch.empty(0, device=self.step_device)  # bound to the buffers below
         if self._views_bound:
             self.bind_views()
 
     def read_client_state(self, client: torch.optim.Optimizer) -> None:
         """Take over the state a client optimizer already has for its parameters: this rank's shard of
         each elementwise state, and the scalars."""
+        stepped: dict[ShardedParam, dict[str, torch.Tensor] | None] = {}
         for sp in self.params:
             state = client.state.get(sp.param)
             if not state:
@@ -635,7 +641,8 @@ class ZeroOptimizer:
                         f"the parameter {sp.numel}"
                     )
                 slots.moments[name].write(sp.shard_of(full.to(dtype=torch.float32, device="cpu")))
-            self.set_state(sp, {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state})
+            stepped[sp] = {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state}
+        self.set_states(stepped)
 
     def _scalar_snapshot(self) -> _ScalarSnapshot:
         """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
