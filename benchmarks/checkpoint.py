@@ -30,6 +30,15 @@ Results: a table and JSON at ``--json``.
 
     python benchmarks/checkpoint.py                 # 512 MiB of state, 3 repeats: ~3-5 min here
     python benchmarks/checkpoint.py --state-mib 64 --repeats 1 --dir /tmp/ck   # a smoke run
+
+``--overhead`` measures something else: the step time of training with
+automatic checkpoints after every step (``checkpoint.interval_steps: 1``,
+``async_save: true``) against training without, GPT 6 x 512 at 2 ranks, fp32,
+3 alternated rounds (issue 39's goal: at most 5% slower). It runs
+``benchmarks/step_time.py --engines zero3,zero3-ckpt``; later arguments go to it:
+
+    python benchmarks/checkpoint.py --overhead                  # ~5 min here
+    python benchmarks/checkpoint.py --overhead --rounds 1 --n-layer 2 --n-embd 128 --steps 4   # a smoke run
 """
 
 from __future__ import annotations
@@ -222,7 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=_DEFAULT_OUT)
-    args = parser.parse_args(argv)
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: the step time of automatic async checkpoints every step against none "
+                        "(benchmarks/step_time.py --engines zero3,zero3-ckpt; extra arguments go to it)")
+    args, rest = parser.parse_known_args(argv)
+    if args.overhead:
+        import step_time  # benchmarks/step_time.py, beside this script
+
+        defaults = ["--n-layer", "6", "--n-embd", "512", "--rounds", "3", "--precision", "fp32",
+                    "--out", str(_DEFAULT_OUT.with_name("checkpoint_overhead.json"))]
+        return step_time.main(["--engines", "zero3,zero3-ckpt", *defaults, *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="zero3-ckpt-"))
     root.mkdir(parents=True, exist_ok=True)
     cfg = model_config(args.state_mib)
