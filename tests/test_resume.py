@@ -25,17 +25,8 @@ CFG = {
 }
 
 
-class CountWarnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def resume_idiom(rank: int, world: int, root: str) -> dict[str, Any]:
-    warnings = CountWarnings()
+    warnings = restart_job.Warnings()
     logging.getLogger("zero3").addHandler(warnings)
     torch.manual_seed(0)
     engine, *_ = zero3.initialize(model=models.TiedTransformer(), config=CFG)
