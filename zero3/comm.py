@@ -332,7 +332,8 @@ class Communicator:
         self._side_groups = [self.reduce_group, self.control_group]
 
     def close(self) -> None:
-        """Destroy the side groups (every rank calls this, as it called `open_side_groups`)."""
+        """Destroy the side groups and a group `for_engine` made (every rank calls this, as it called
+        `open_side_groups`)."""
         groups, self._side_groups = self._side_groups, []
         if self._own_group is not None:
             groups.append(self._own_group)

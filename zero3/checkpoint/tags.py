@@ -75,10 +75,11 @@ def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
     return path
 
 
-def has_latest(load_dir: str | os.PathLike[str]) -> bool:
-    """Whether `load_dir` holds a `latest` marker: a resume from it has a checkpoint to load (DeepSpeed's
-    idiom treats a directory without one as "nothing saved yet", not as an error)."""
-    return (Path(load_dir) / LATEST).is_file()
+def latest_tag(load_dir: str | os.PathLike[str]) -> str | None:
+    """The tag `load_dir`'s `latest` marker names; None where there is none (DeepSpeed's resume idiom
+    treats a directory without one as "nothing saved yet", not as an error)."""
+    marker = Path(load_dir) / LATEST
+    return marker.read_text().strip() if marker.is_file() else None
 
 
 def dcp_files(path: Path, rank: int | None = None) -> list[Path]:

@@ -7,6 +7,7 @@ is gathered, and applies what a load returns (counters, loss scale, schedule).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from zero3.checkpoint.async_saves import AsyncSaves
-from zero3.checkpoint.tags import CheckpointError, has_latest
+from zero3.checkpoint.tags import CheckpointError, latest_tag
 from zero3.config import Zero3Config
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
@@ -109,9 +110,8 @@ class CheckpointMethods:
         }
 
     def _run_facts(self) -> dict[str, Any]:
-        batch = self.batch  # type: ignore[attr-defined] # the engine's resolved batch sizes
-        return {"train_batch_size": batch.train_batch_size, "micro_batch_per_gpu": batch.micro_batch_per_gpu,
-                "gradient_accumulation_steps": batch.gradient_accumulation_steps}
+        """The run's batch sizes (train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)."""
+        return dataclasses.asdict(self.batch)  # type: ignore[attr-defined] # the engine's resolved BatchSizes
 
     def save_checkpoint(
         self,
@@ -270,11 +270,13 @@ class CheckpointMethods:
         self._check_alive()
         self.parts.check_between_steps("load_checkpoint")
         self.wait_for_checkpoint()
-        if tag is None and self._holds_no_checkpoint(load_dir):
-            if self.global_rank == 0:
-                log.warning("load_checkpoint: %r holds no checkpoint yet (no 'latest' marker): nothing was loaded, "
-                            "(None, None) returned", str(load_dir))
-            return None, None
+        if tag is None:
+            tag = self._agreed_latest(load_dir)
+            if tag is None:
+                if self.global_rank == 0:
+                    log.warning("load_checkpoint: %r holds no checkpoint yet (no 'latest' marker): nothing was "
+                                "loaded, (None, None) returned", str(load_dir))
+                return None, None
         self.parts.backward.finish()
         self._require_resident("load_checkpoint", CHECKPOINT_NEEDS)
         self.parts.coordinator.release_all()
@@ -301,17 +303,15 @@ class CheckpointMethods:
         self.client_state = restored.client_state
         return restored.path, restored.client_state
 
-    def _holds_no_checkpoint(self, load_dir: str | os.PathLike[str]) -> bool:
-        """Whether `load_dir` has no `latest` on every rank (True), or on none (False); ranks that disagree
-        (a directory not every rank can read) are an error on every rank."""
-        present = self.comm.all_gather_objects(has_latest(load_dir))
-        if all(present):
-            return False
-        if not any(present):
-            return True
-        blind = [rank for rank, found in enumerate(present) if not found]
-        raise CheckpointError(f"load_checkpoint: ranks {blind} see no 'latest' in {str(load_dir)!r} while the others "
-                              "do: checkpoints must live where every rank reads the same files")
+    def _agreed_latest(self, load_dir: str | os.PathLike[str]) -> str | None:
+        """The tag `load_dir`'s `latest` names on every rank, or None where no rank has one; ranks that see
+        another tag or none (a directory not every rank reads alike) are an error on every rank."""
+        seen = self.comm.all_gather_objects(latest_tag(load_dir))
+        if len(set(seen)) == 1:
+            return seen[0]
+        raise CheckpointError(f"load_checkpoint: the ranks read different 'latest' markers in {str(load_dir)!r} "
+                              f"({dict(enumerate(seen))}, None: none): checkpoints must live where every rank "
+                              "reads the same files")
 
     def _restore_run(self, restored: checkpoint_state.Restored) -> None:
         """Put back what is saved per rank (generators, registered objects) and say what changed with the world."""
@@ -363,11 +363,12 @@ class CheckpointMethods:
         cfg = self.config.checkpoint
         if not cfg.resume or cfg.dir is None:
             return None
-        if self._holds_no_checkpoint(cfg.dir):
+        tag = self._agreed_latest(cfg.dir)
+        if tag is None:
             if self.global_rank == 0:
                 log.info("checkpoint.resume: no checkpoint in %r yet; starting at step 0", cfg.dir)
             return None
-        path, _ = self.load_checkpoint(cfg.dir)
+        path, _ = self.load_checkpoint(cfg.dir, tag=tag)
         if self.global_rank == 0:
             log.info("checkpoint.resume: resumed from %s at step %d", path, self.global_steps)
         return path
