@@ -597,13 +597,10 @@ class ZeroOptimizer:
         state = self.optimizer.state[self._masters_by_param[sp][0]]
         return {name: torch.as_tensor(state[name]).detach().clone() for name in self.scalar_names if name in state}
 
-    def set_state(self, sp: ShardedParam, scalars: dict[str, torch.Tensor] | None) -> None:
-        """Mark the parameter stepped with these scalars (its elementwise states were written into the
-        buffers), or, with None, never stepped (torch creates its state at its next step)."""
-        self.set_states({sp: scalars})
-
     def set_states(self, scalars_by_param: Mapping[ShardedParam, dict[str, torch.Tensor] | None]) -> None:
-        """`set_state` for many parameters, the views bound once for all (a load sets every parameter)."""
+        """Mark each parameter stepped with its scalars (its elementwise states were written into the
+        buffers), or, with None, never stepped (torch creates its state at its next step); the views are
+        bound once for all (a load sets every parameter)."""
         for sp, scalars in scalars_by_param.items():
             for master in self._masters_by_param[sp]:
                 state = self.optimizer.state[master]
