@@ -263,6 +263,31 @@ def _stage(live: dict[str, Any], pool: HostBufferPool, device: torch.device) -> 
     return staged
 
 
+class _ItemRecordingWriter(FileSystemWriter):
+    """DCP's file writer, keeping where each of this rank's items landed: (file, offset, length).
+
+    The metadata `dcp.save` returns lists every rank's items in recent torch, but not in every version zero3
+    supports (torch 2.11 returns it with `storage_data` unset); what this rank wrote is in its own write
+    results in all of them, and it is all a rank sums."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._written: list[Any] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        results = super().write_data(plan, planner)
+        self._written.append(results)  # DCP waits on it before `dcp.save` returns
+        return results
+
+    def items_by_file(self) -> dict[str, list[tuple[int, int]]]:
+        items: dict[str, list[tuple[int, int]]] = {}
+        for results in self._written:
+            for result in results.value():
+                info = result.storage_data
+                items.setdefault(info.relative_path, []).append((info.offset, info.length))
+        return items
+
+
 @dataclass
 class _Write:
     """Writing one tag once its entries are fixed: DCP's files, their checksums, then the publication."""
@@ -279,14 +304,12 @@ class _Write:
         staged = staging_dir(self.root, self.tag)
         problem = None
         try:
-            metadata = dcp.save(state, storage_writer=FileSystemWriter(staged), planner=SavePlanner(),
-                                process_group=group)
+            writer = _ItemRecordingWriter(staged)
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
             # Each item of this rank's files, so that a load checks each as it reads it (zero3.checkpoint.trust's
             # [Note: verified reads]); rank 0 (DCP's coordinator) also sums the metadata it wrote, whole.
             sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else []))
-            items: dict[str, list[tuple[int, int]]] = {}
-            for info in metadata.storage_data.values():
-                items.setdefault(info.relative_path, []).append((info.offset, info.length))
+            items = writer.items_by_file()
             for file in dcp_files(staged, self.rank):
                 sums[file.name] = item_checksums(file, items.get(file.name, []))
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
