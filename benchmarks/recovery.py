@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         import deepspeed
 
         versions["deepspeed"] = deepspeed.__version__
-    out = {"benchmark": "recovery", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    from provenance import provenance  # benchmarks/provenance.py, beside this script
+
+    out = {"benchmark": "recovery", "provenance": provenance(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "host": platform.node(), "cpus": os.cpu_count(), **versions, "parameters": params, "runs": runs,
            "medians": medians, "zero3_over_deepspeed": ratio, "skipped": skipped,
            "args": {k: str(v) for k, v in vars(args).items() if k not in ("worker", "out", "ckpt")}}

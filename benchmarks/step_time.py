@@ -73,6 +73,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from provenance import provenance  # benchmarks/provenance.py, beside this script
 from zero3.accelerator import host_heap_bytes
 from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
@@ -963,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
     results: dict[str, Any] = {
+        "provenance": provenance(),
         "setup": {
             **{k: v for k, v in vars(args).items() if k not in ("out", "engines", "profile_top", "trace", "memory_timeline")},
             "vocab_size": gpt.vocab_size,

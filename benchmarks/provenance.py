@@ -1,0 +1,45 @@
+"""Where and when a benchmark ran: the date, the command and the machine, written into its JSON.
+
+`benchmarks/figures.py` prints them beside every figure it takes from that JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> str:
+    """The machine in words: its GPU where torch sees one, else its processor, and its core count."""
+    import torch  # here, not at import: recovery.py times its own imports
+
+    cores = f"{os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        return f"one {torch.cuda.get_device_name(0)}, {cores}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {cores}, no GPU"
+
+
+def provenance() -> dict[str, Any]:
+    import torch
+
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path(__file__).resolve().parents[1])
+    except ValueError:
+        pass
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", str(script), *sys.argv[1:]]),
+            "machine": machine(), "torch": torch.__version__}
