@@ -1,10 +1,13 @@
 """Every key of DeepSpeed's ZeRO config, under both its names, and DeepSpeed's top-level keys: each is
 implemented, translated, accepted with no effect (one info line), or refused unless off, as
-zero3.config.DEEPSPEED_KEYS says (issue 25, point 1)."""
+zero3.config.DEEPSPEED_KEYS says (issue 25, point 1). docs/configuration.md's key tables are
+zero3.config.config_reference()'s output, which covers every key of the config's models, zero3's own
+included, with the models' defaults (issue 40, point 2); `python -m tests.test_deepspeed_keys` rewrites them."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +16,7 @@ import torch
 import zero3
 from tests import models
 from tests.distributed import run_ranks
-from zero3.config import DEEPSPEED_KEYS, ConfigError, load_config
+from zero3.config import CONFIG_KEYS, DEEPSPEED_KEYS, ConfigError, config_key_paths, config_reference, load_config
 
 # DeepSpeed 0.19.8's DeepSpeedZeroConfig: (field name, its alias), as `model_fields` lists them.
 DEEPSPEED_ZERO_FIELDS = [
@@ -189,10 +192,60 @@ def test_model_persistence_threshold_ignore_unused_parameters_and_reduce_scatter
         assert [line for line in out["inert False"] if "reduce_scatter=false" in line.lower()], out["inert False"]
 
 
-def test_the_porting_page_holds_the_table() -> None:
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGURATION_PAGE = ROOT / "docs" / "configuration.md"
+BEGIN, END = "<!-- config-reference: begin -->", "<!-- config-reference: end -->"
 
-    from zero3.config import deepspeed_keys_table
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "porting.md").read_text()
-    assert deepspeed_keys_table() in page  # regenerate the page's table from DEEPSPEED_KEYS when this fails
+def reference_on_the_page(text: str) -> str:
+    """What docs/configuration.md holds between its two markers."""
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"the page needs one {BEGIN} and one {END}"
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+
+
+def write_reference() -> None:
+    """Rewrite the page's reference from the config models (`python -m tests.test_deepspeed_keys`)."""
+    text = CONFIGURATION_PAGE.read_text()
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    CONFIGURATION_PAGE.write_text(f"{head}{BEGIN}\n\n{config_reference()}\n{END}{tail}")
+
+
+def test_the_configuration_page_is_the_generated_reference() -> None:
+    assert reference_on_the_page(CONFIGURATION_PAGE.read_text()) == config_reference(), (
+        "docs/configuration.md's key tables differ from zero3.config.config_reference(): run "
+        "`python -m tests.test_deepspeed_keys` to rewrite them")
+
+
+def test_every_config_key_has_one_row_and_every_row_names_a_key() -> None:
+    paths = config_key_paths()
+    assert len(paths) == len(set(paths))
+    assert set(paths) == set(DEEPSPEED_KEYS) | set(CONFIG_KEYS)
+    assert not set(DEEPSPEED_KEYS) & set(CONFIG_KEYS)
+    reference = config_reference()
+    for path in paths:
+        assert f"| `{path}`" in reference or f"### `{path}`" in reference, path
+    # zero3's own keys are there, beside DeepSpeed's
+    own = {path for path, (fate, _) in CONFIG_KEYS.items() if fate == "zero3"}
+    assert {"comm_timeout_s", "checkpoint.dir", "checkpoint.interval_steps", "checkpoint.async_save",
+            "checkpoint.keep_last", "checkpoint.resume"} <= own
+
+
+def test_the_defaults_are_the_models() -> None:
+    reference = config_reference()
+    assert "| `comm_timeout_s` | `null` |" in reference
+    assert "| `checkpoint.async_save` | `false` |" in reference
+    assert "(also `prefetch_bucket_size`) | `5e7` |" in reference  # 50_000_000, as DeepSpeed's docs write it
+    assert "| `zero_optimization.offload_optimizer.buffer_count` | `4` |" in reference
+    assert "`weight_decay` `0.01`" in reference  # AdamW's, filled in when the section names only the type
+    assert "`total_num_steps` required" in reference
+
+
+def test_the_porting_page_points_to_the_configuration_page() -> None:
+    porting = (ROOT / "docs" / "porting.md").read_text()
+    assert "(configuration.md)" in porting or "(configuration.md#" in porting
+    assert "| key | fate |" not in porting and "| key | default | fate |" not in porting  # one copy of the table
+
+
+if __name__ == "__main__":
+    write_reference()

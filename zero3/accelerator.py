@@ -1,8 +1,11 @@
-"""The device the engine computes on, and the few device facts it needs.
+"""The device the engine computes on, and the few device and host-memory facts it needs.
 
-CUDA-only facilities degrade to correct CPU behaviour: on CPU there is no
-pinned memory and no side stream, so callers get plain host tensors and
-synchronous copies rather than a skipped feature.
+One rule picks the device for `zero3.Init` and `zero3.initialize` (`resolve_device`), so two
+ranks never land on one GPU by accident. CUDA-only facilities degrade to correct CPU behaviour:
+on CPU there is no pinned memory and no side stream, so callers get plain host tensors and
+synchronous copies rather than a skipped feature. On the host side, glibc's heap is handed back
+to the OS (`release_host_memory`) and a buffer can be zeroed by dropping its pages
+(`DroppableZeros`), so freed or zeroed state leaves the resident set.
 """
 
 from __future__ import annotations

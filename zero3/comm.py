@@ -1,8 +1,14 @@
-"""Process-group setup and every collective the engine issues.
+"""Process-group setup, and the engine's collectives on flat tensors.
 
-All engine communication goes through this module so that the choice of
-collective (torch 2.13's `all_gather_single` / `reduce_scatter_single`, or the
-older `*_into_tensor` / `*_tensor` names) is made once.
+`init_distributed` joins the default group (safe across torchrun restarts);
+`Communicator` makes the engine's groups and issues its collectives: every
+parameter all-gather, gradient reduce-scatter, walk marker and step flag goes
+through it, so the choice of collective (torch 2.13's `all_gather_single` /
+`reduce_scatter_single`, or the older `*_into_tensor` / `*_tensor` names) and
+the care for gloo's worker threads (the Note below) live in one place. Two
+exchanges run on its groups without it: Muon's all-to-all (zero3.optim.muon,
+on the mesh's shard group) and DCP's own collectives in a save or load
+(zero3.checkpoint).
 """
 
 from __future__ import annotations
@@ -272,16 +278,22 @@ class Communicator:
     """The collectives of one shard group, on flat tensors only. Where this rank sits (its shard and
     replicate coordinates) is not asked here: zero3.partition.mesh.ShardMesh says it.
 
-    [Note: three groups]
-    Parameter all-gathers run on `group`, in the order of the lockstep gather
-    walk (zero3.runtime.gather_walk), which every rank issues identically.
-    Gradient reduce-scatters run in a canonical bucket order, but at times
-    that depend on each rank's backward, so they get a group of their own
-    (`reduce_group`): a collective sequence must match only within a group.
-    The walk's markers are small host tensors on a gloo group (`control_group`),
-    so reading one never waits on the accelerator. `open_side_groups` makes
-    the two extra groups (a collective call, made by the engine on every
-    rank); `close` destroys them. A world of one needs neither.
+    [Note: four groups]
+    Parameter all-gathers run on `group` (the default group, or the engine's
+    own where `comm_timeout_s` differs: `for_engine`), in the order of the
+    lockstep gather walk (zero3.runtime.gather_walk), which every rank issues
+    identically; the step's norm sum runs there too. Gradient reduce-scatters
+    run in a canonical bucket order, but at times that depend on each rank's
+    backward, so they get a group of their own (`reduce_group`): a collective
+    sequence must match only within a group. The walk's markers and the step's
+    flags are small host tensors on a gloo group (`control_group`), so reading
+    one never waits on the accelerator; a blocking save and a load run DCP on
+    it too. Checkpoint writes that run while training goes on (an async save)
+    get a gloo group of their own (`checkpoint_group`, made at the first async
+    save). `open_side_groups` makes the reduce and control groups (a
+    collective call, made by the engine on every rank); `close` destroys every
+    group made here. A world of one needs none of them. A mesh's replicate
+    group is not made here: it comes with the mesh (zero3.partition.mesh).
     """
 
     # [Note: the worker's tensors]
@@ -291,7 +303,7 @@ class Communicator:
     # tensor's Python object, which takes the GIL. If the interpreter is
     # finalizing by then, CPython kills the thread asking for the GIL, here
     # inside a C++ destructor, and the process aborts with "terminate called
-    # without an active exception" (3 of 80 two-rank jobs ending in
+    # without an active exception" (seen in two-rank jobs ending in
     # destroy_process_group()). So each collective gets private aliases of its
     # tensors (`_HANDED_OVER`), whose reference counts say whether a worker
     # still holds them, and at exit the interpreter waits, releasing the GIL,

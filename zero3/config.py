@@ -719,7 +719,8 @@ _ValidationMode = Annotated[
 
 class CheckpointConfig(_Model):
     """The `checkpoint` section: DeepSpeed's keys (accepted; DEEPSPEED_KEYS says what each does here) and
-    zero3's automatic checkpoints (see [Note: automatic checkpoints] in zero3.runtime.auto_checkpoint)."""
+    zero3's automatic checkpoints (`engine.step` saves every `interval_steps`, `zero3.initialize` resumes:
+    zero3.runtime.engine_checkpoints' `_save_on_interval` and `resume_from_config`)."""
 
     # zero3's: save every `interval_steps` optimizer steps into `dir`, keep the newest `keep_last` complete
     # tags, write in the background with `async_save`, and start from the newest one with `resume`.
@@ -781,7 +782,7 @@ _NOTED_ELSEWHERE = frozenset({
 # info line at initialize says why), or "off only" (a feature zero3 does not
 # offer yet: accepted at the value that leaves it off, a clear error
 # otherwise). A key given under both of its names (`stage3_x` and `x`) is an
-# error. `docs/porting.md` prints this table.
+# error. docs/configuration.md prints this table (see [Note: the configuration reference]).
 DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.stage": ("implemented", "3; other stages are refused"),
     "zero_optimization.stage3_param_persistence_threshold": (
@@ -872,15 +873,284 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
 }
 
 
-def deepspeed_keys_table() -> str:
-    """DEEPSPEED_KEYS as the Markdown table docs/porting.md holds."""
-    rows = ["| key | fate | in zero3 |", "| --- | --- | --- |"]
-    for path, (fate, why) in DEEPSPEED_KEYS.items():
-        *_, name = path.split(".")
-        short = name.removeprefix("stage3_")
-        also = f" (also `{short}`)" if short != name and name not in _DEPRECATED_ZERO_KEYS else ""
-        rows.append(f"| `{path}`{also} | {fate} | {why} |")
-    return "\n".join(rows) + "\n"
+# [Note: the configuration reference]
+# docs/configuration.md's key tables are `config_reference()`'s output, and a test keeps the page equal to
+# it. Every key of Zero3Config's models has a row, with its default read from the models (an optimizer
+# type's from a section that names only the type, so AdamW's weight decay of 0.01 shows) and what it does
+# here: DEEPSPEED_KEYS' entry, else CONFIG_KEYS' (DeepSpeed's other keys, and zero3's own, whose fate is
+# "zero3"). A key with neither entry, or an entry that names no key, fails the generator, so a key cannot
+# be added undocumented. A sub-model's entry (`checkpoint`, `zero_optimization.offload_param`) is the
+# sentence under its table's heading.
+CONFIG_KEYS: dict[str, tuple[str, str]] = {
+    "train_batch_size": (
+        "implemented", "the global batch: micro batch x accumulation steps x world size; null: computed from "
+        "the other two (DeepSpeed's arithmetic; any two of the three fix the third)"),
+    "train_micro_batch_size_per_gpu": (
+        "implemented", "samples per rank per forward and backward; null: from the other two, and 1 when none "
+        "of the three is set"),
+    "gradient_accumulation_steps": (
+        "implemented", "micro-steps per optimizer step: `engine.step()` steps the optimizer at every N-th call, "
+        "and `engine.backward` divides the loss by N; null: from the other two, else 1"),
+    "gradient_clipping": (
+        "implemented", "clip the gradients to this global norm, taken across every rank's shards; 0: no "
+        "clipping"),
+    "optimizer": (
+        "implemented", "`{\"type\": ..., \"params\": {...}}` ([types](#optimizer-types)); null: none, unless "
+        "`initialize` gets a client `optimizer=` (not both)"),
+    "scheduler": (
+        "implemented", "`{\"type\": ..., \"params\": {...}}` ([types](#scheduler-types)), stepped after every "
+        "optimizer step but one an fp16 overflow skipped; null: none, unless `initialize` gets `lr_scheduler=` "
+        "(a factory called with the engine's optimizer)"),
+    "bf16": ("implemented", "bf16 compute: 16-bit shards, gathers and gradients in bf16, fp32 masters"),
+    "bf16.enabled": ("implemented", "compute in bf16 (at most one of bf16 and fp16; neither: fp32)"),
+    "fp16": ("implemented", "fp16 compute with a loss scale, dynamic unless `loss_scale` is set"),
+    "fp16.enabled": ("implemented", "compute in fp16"),
+    "fp16.loss_scale": ("implemented", "0: a dynamic loss scale; above 0: this static scale"),
+    "fp16.initial_scale_power": ("implemented", "the dynamic scale starts at 2 to this power"),
+    "fp16.loss_scale_window": (
+        "implemented", "steps without an overflow after which the dynamic scale doubles"),
+    "fp16.hysteresis": (
+        "implemented", "the dynamic scale halves at the N-th overflow (each overflow skips its step); the count "
+        "starts again when the scale grows"),
+    "fp16.min_loss_scale": ("implemented", "the dynamic scale never falls below this"),
+    "fp16.consecutive_hysteresis": (
+        "implemented", "true: any step without an overflow starts the `hysteresis` count again, so only "
+        "consecutive overflows halve the scale"),
+    "zero_optimization": ("implemented", "ZeRO's settings; stage 3 only"),
+    "zero_optimization.offload_param.device": (
+        "implemented", "`cpu`: the 16-bit shards in host memory; `nvme`: up to `max_in_cpu` elements of them in "
+        "host memory, the rest in a file; `none`: on the device"),
+    "zero_optimization.offload_param.nvme_path": (
+        "implemented", "required with `nvme`: an existing, writable directory; each rank writes in a directory "
+        "of its own under it"),
+    "zero_optimization.offload_param.pin_memory": (
+        "implemented", "page-locked host buffers for the copies to a CUDA device; without CUDA a warning"),
+    "zero_optimization.offload_param.buffer_count": (
+        "implemented", "with `nvme`: shards read ahead of their all-gather"),
+    "zero_optimization.offload_param.buffer_size": (
+        "no effect", "each shard is read into a buffer of its own size (no line is logged for it)"),
+    "zero_optimization.offload_param.max_in_cpu": (
+        "implemented", "with `nvme`: shard elements kept in host memory (the persistent parameters first, then "
+        "units in model order)"),
+    "zero_optimization.offload_optimizer.device": (
+        "implemented", "`cpu` (ZeRO-Offload): fp32 masters, optimizer states and reduced gradients in host "
+        "memory, the step on the host; `nvme` (ZeRO-Infinity): masters and states in files, stepped through "
+        "host windows; `none`: on the device"),
+    "zero_optimization.offload_optimizer.nvme_path": (
+        "implemented", "required with `nvme`: an existing, writable directory; the files take twice the "
+        "optimizer state (two generations)"),
+    "zero_optimization.offload_optimizer.pin_memory": (
+        "implemented", "page-locked host buffers for the copies to and from a CUDA device; without CUDA a "
+        "warning"),
+    "zero_optimization.offload_optimizer.buffer_count": (
+        "implemented", "with `nvme`: host windows the step rotates sub-groups through (at least 2)"),
+    "zero_optimization.offload_optimizer.ratio": (
+        "off only", "1.0; below 1 (DeepSpeed's partial offload) is refused on a GPU (`TierConfigError`), and on a "
+        "CPU engine logs a warning and offloads the whole state"),
+    "zero_optimization.offload_optimizer.pipeline_read": (
+        "no effect", "reads of the next sub-groups always overlap the step"),
+    "zero_optimization.offload_optimizer.pipeline_write": (
+        "no effect", "writes of the last sub-groups always overlap the step"),
+    "zero_optimization.offload_optimizer.fast_init": ("no effect", "the tier's files are reserved at build"),
+    "zero_optimization.leaf_module.classes": (
+        "implemented", "class names (`Block` or `pkg.module.Block`) whose modules are leaves"),
+    "zero_optimization.leaf_module.names": ("implemented", "`named_modules()` names of leaf modules"),
+    "zero_optimization.leaf_module.name_suffixes": (
+        "implemented", "name suffixes: each module whose name ends so is a leaf"),
+    "data_types": ("implemented", "DeepSpeed's gradient dtype section"),
+    "data_types.grad_accum_dtype": (
+        "implemented", "`fp32`, `bf16` or `fp16`: the dtype gradients accumulate in across micro-steps "
+        "(`lp_grads`); null: the compute dtype"),
+    "aio": (
+        "implemented", "the disk I/O of the `nvme` tiers and of `offload_states(device=\"nvme\")`"),
+    "aio.block_size": ("implemented", "bytes per read or write request (a multiple of 4096)"),
+    "aio.queue_depth": (
+        "implemented", "the I/O pool runs `thread_count` x `queue_depth` threads, so that many requests are in "
+        "flight"),
+    "aio.thread_count": ("implemented", "see `queue_depth`"),
+    "aio.single_submit": ("no effect", "libaio's submission detail; requests are always overlapped"),
+    "aio.overlap_events": ("no effect", "libaio's submission detail; requests are always overlapped"),
+    "aio.use_gds": ("no effect", "GPUDirect Storage is not used; reads and writes go through host memory"),
+    "communication_data_type": (
+        "implemented", "`fp32`, `bf16` or `fp16`: the dtype gradients are summed across ranks in; null: the "
+        "compute dtype"),
+    "gradient_predivide_factor": (
+        "implemented", "gradients are divided by this before the sum across ranks and by world size / this "
+        "after it"),
+    "prescale_gradients": (
+        "implemented", "true: divide by the world size before the sum (then `gradient_predivide_factor` has "
+        "no effect)"),
+    "steps_per_print": (
+        "implemented", "rank 0 logs DeepSpeed's progress line (lr, grad norm, loss scale, skipped steps) at "
+        "INFO every this many optimizer steps; null or `Infinity`: never"),
+    "dataloader_drop_last": (
+        "implemented", "the DataLoader `initialize(training_data=...)` returns drops a last, short batch"),
+    "comm_timeout_s": (
+        "zero3", "seconds a collective on the engine's groups waits for a peer (a dead or hung rank) before "
+        "it raises; null: the default group's timeout (torch's: 30 min on gloo, 10 on NCCL); also the default "
+        "group's when `initialize` creates it"),
+    "wall_clock_breakdown": (
+        "implemented", "adds forward, backward and step times to the `steps_per_print` line"),
+    "checkpoint": (
+        "implemented", "DeepSpeed's checkpoint section, with zero3's automatic checkpoints "
+        "([checkpoints](checkpoints.md#automatic-checkpoints-the-checkpoint-section))"),
+    "checkpoint.dir": (
+        "zero3", "where automatic checkpoints live and `resume` looks (every rank must read the same files)"),
+    "checkpoint.interval_steps": (
+        "zero3", "`engine.step()` saves into `dir` after every N-th optimizer step (tag `global_step<N>`); "
+        "null: no automatic saves"),
+    "checkpoint.async_save": (
+        "zero3", "automatic saves write in the background: the step returns once the state is in host memory"),
+    "checkpoint.keep_last": (
+        "zero3", "automatic saves keep the newest K complete tags; null: all"),
+    "checkpoint.resume": (
+        "zero3", "`zero3.initialize` loads the newest complete checkpoint in `dir`, if there is one "
+        "(`engine.global_steps` says where it resumed)"),
+}
+
+# The `optimizer` section's types: "torch" stands for any other elementwise torch.optim class.
+OPTIMIZER_TYPES: dict[str, str] = {
+    "Adam": "torch.optim.AdamW (DeepSpeed's Adam decouples weight decay), or torch.optim.Adam with "
+            "`adam_w_mode: false`; `torch_adam` has no effect (torch's fused kernel steps it)",
+    "AdamW": "torch.optim.AdamW; `adam_w_mode: false` is refused",
+    "Lion": "zero3.optim.Lion",
+    "Muon": "torch's Muon math for the 2-D hidden matrices (lr `muon_lr`, null: `lr`), AdamW for every other "
+            "parameter (lr `adam_lr`, null: `lr`; torch's betas and eps, the same weight decay); each matrix is "
+            "orthogonalized once, by the rank that owns it",
+    "torch": "the torch.optim class of that name, with its constructor's arguments (checked against them) and "
+             "torch's defaults",
+}
+
+# The `scheduler` section's types (zero3.runtime.lr_schedules, DeepSpeed's five).
+SCHEDULER_TYPES: dict[str, str] = {
+    "LRRangeTest": "the lr grows from `lr_range_test_min_lr` by `lr_range_test_step_rate` times it per "
+                   "`lr_range_test_step_size` steps (in whole stairs with `lr_range_test_staircase`), without end",
+    "OneCycle": "the lr rises from `cycle_min_lr` to `cycle_max_lr` and falls back (second half: null is the "
+                "first's size and stair count), then decays by `decay_lr_rate` per `decay_step_size` steps; "
+                "Adam's first beta cycles the other way between the momentum bounds",
+    "WarmupLR": "the lr rises from `warmup_min_lr` to `warmup_max_lr` (null: each group's own lr) over "
+                "`warmup_num_steps`, logarithmically or linearly, then stays",
+    "WarmupDecayLR": "WarmupLR, then a linear decay back to `warmup_min_lr` at `total_num_steps`",
+    "WarmupCosineLR": "each group's lr times a ratio rising from `warmup_min_ratio` to 1, then half a cosine "
+                      "down to `cos_min_ratio` at `total_num_steps`",
+}
+
+
+def _reference_default(field: Any) -> str:
+    """A field's default as the user would write it in JSON (`5e8` for a round count of elements)."""
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value == sys.maxsize:
+        return "no limit"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10**6:
+        digits = str(value).rstrip("0")
+        zeros = len(str(value)) - len(digits)
+        if zeros >= 6 and len(digits) == 1:
+            return f"`{digits}e{zeros}`"
+    return f"`{_show(value)}`"
+
+
+def _submodel(field: Any) -> type[BaseModel] | None:
+    annotation = field.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _config_sections() -> list[tuple[str, type[BaseModel]]]:
+    """(path, model) of Zero3Config and each of its sections, a section before those nested in it."""
+    found: list[tuple[str, type[BaseModel]]] = []
+
+    def walk(path: str, model: type[BaseModel]) -> None:
+        found.append((path, model))
+        for name, field in model.model_fields.items():
+            sub = _submodel(field)
+            if sub is not None:
+                walk(f"{path}.{name}" if path else name, sub)
+
+    walk("", Zero3Config)
+    return found
+
+
+def config_key_paths() -> list[str]:
+    """Every key path of the config's models (sections too), and DeepSpeed's deprecated ZeRO keys."""
+    paths = [path for path, _ in _config_sections() if path]
+    for section, model in _config_sections():
+        paths += [f"{section}.{name}" if section else name for name, field in model.model_fields.items()
+                  if _submodel(field) is None]
+    return paths + [f"zero_optimization.{name}" for name in _DEPRECATED_ZERO_KEYS]
+
+
+def _key_entry(path: str) -> tuple[str, str]:
+    if path in DEEPSPEED_KEYS and path in CONFIG_KEYS:
+        raise ValueError(f"config key {path} has an entry in both DEEPSPEED_KEYS and CONFIG_KEYS")
+    entry = DEEPSPEED_KEYS.get(path) or CONFIG_KEYS.get(path)
+    if entry is None:
+        raise ValueError(f"config key {path} has no entry in DEEPSPEED_KEYS or CONFIG_KEYS: say what it does")
+    return entry
+
+
+def config_reference() -> str:
+    """The Markdown tables of every config key, its default and what it does (docs/configuration.md)."""
+    from typing import get_args
+
+    stale = sorted((set(DEEPSPEED_KEYS) | set(CONFIG_KEYS)) - set(config_key_paths()))
+    if stale:
+        raise ValueError(f"DEEPSPEED_KEYS / CONFIG_KEYS name keys the config does not have: {stale}")
+    header = ["| key | default | fate | what it does in zero3 |", "| --- | --- | --- | --- |"]
+    out: list[str] = []
+    for section, model in _config_sections():
+        if section:
+            fate, why = _key_entry(section)
+            out += [f"### `{section}`", "", f"{fate}: {why}.", ""]
+        else:
+            out += ["### Top level", ""]
+        out += header
+        for name, field in model.model_fields.items():
+            if _submodel(field) is not None:
+                continue
+            path = f"{section}.{name}" if section else name
+            fate, why = _key_entry(path)
+            short = name.removeprefix("stage3_")
+            also = f" (also `{short}`)" if isinstance(field.validation_alias, AliasChoices) else ""
+            out.append(f"| `{path}`{also} | {_reference_default(field)} | {fate} | {why} |")
+        if section == "zero_optimization":
+            for name in _DEPRECATED_ZERO_KEYS:
+                fate, why = _key_entry(f"{section}.{name}")
+                out.append(f"| `{section}.{name}` | - | {fate} | {why} |")
+        out.append("")
+
+    def params_text(model: type[BaseModel], values: dict[str, Any] | None = None) -> str:
+        """Each parameter with its default (`values`' where given: a validated section's)."""
+        shown = []
+        for name, field in model.model_fields.items():
+            if field.is_required():
+                shown.append(f"`{name}` required")
+            else:
+                value = values[name] if values is not None else field.get_default(call_default_factory=True)
+                shown.append(f"`{name}` `{_show(value)}`")
+        return ", ".join(shown)
+
+    out += ["### `optimizer` types", "", "| `type` | `params`, with their defaults | steps with |",
+            "| --- | --- | --- |"]
+    kinds: list[tuple[str, str, str]] = []
+    for model in (AdamConfig, LionConfig, MuonConfig):
+        for kind in get_args(model.model_fields["type"].annotation):
+            params = load_config({"optimizer": {"type": kind}}).optimizer.params  # type: ignore[union-attr]
+            kinds.append((kind, f"`{kind}`", params_text(type(params), params.model_dump())))
+    torch_kinds = sorted(TORCH_ELEMENTWISE - {"Adam", "AdamW"})
+    kinds.append(("torch", ", ".join(f"`{kind}`" for kind in torch_kinds), "its constructor's keyword arguments"))
+    if {kind for kind, *_ in kinds} != set(OPTIMIZER_TYPES):
+        raise ValueError(f"OPTIMIZER_TYPES must describe exactly {sorted(kind for kind, *_ in kinds)}")
+    out += [f"| {names} | {params} | {OPTIMIZER_TYPES[kind]} |" for kind, names, params in kinds]
+    out += ["", "### `scheduler` types", "", "| `type` | `params`, with their defaults | what it does |",
+            "| --- | --- | --- |"]
+    schedulers = get_args(get_args(SchedulerConfig)[0])
+    scheduler_kinds = [get_args(model.model_fields["type"].annotation)[0] for model in schedulers]
+    if set(scheduler_kinds) != set(SCHEDULER_TYPES):
+        raise ValueError(f"SCHEDULER_TYPES must describe exactly {sorted(scheduler_kinds)}")
+    for kind, model in zip(scheduler_kinds, schedulers):
+        out.append(f"| `{kind}` | {params_text(model.model_fields['params'].annotation)} | {SCHEDULER_TYPES[kind]} |")
+    return "\n".join(out) + "\n"
 
 
 class Zero3Config(_Model):

@@ -127,7 +127,7 @@ def from_pretrained(
 
     # No random init (the checkpoint overwrites every parameter, checked before anything is read): under
     # zero3.Init an init would gather each module's parameters again to write them (the whole model's worth
-    # of churn, measured: peak RSS per rank went from 40 to 114 MiB on an 80 MiB model at world 4).
+    # of churn, and a higher peak of host memory per rank).
     with no_init_weights(), zero3.Init(config=_without_auto(_read_config(zero3_config)), dtype=dtype):
         model = model_class(model_config)
     stream_into_partitions(model, files)

@@ -3,9 +3,10 @@
 The optimizer never touches these buffers directly during a step: it asks
 its tier to `walk` the sub-groups, and the tier hands each sub-group's
 window (the fp32 master and each of the optimizer's elementwise states, as
-1-D tensors; "hp_params" and, for Adam, "exp_avg" and "exp_avg_sq") to a visitor
-that steps it. A memory tier hands out views of its flat buffers; the disk
-tier streams windows through host memory.
+1-D tensors; "hp_params" (absent where the masters are the shards) and, for
+Adam, "exp_avg" and "exp_avg_sq") to a visitor that steps it. A memory tier
+hands out views of its flat buffers; the disk tier streams windows through
+host memory.
 
 [Note: the disk walk]
 Each state has two files, generations A and B. A step reads every
@@ -16,8 +17,9 @@ Only when every write has landed, and every rank's step has (the optimizer
 calls `commit` once the ranks agree), does the other generation become
 current, so a disk that fails mid-step, on this rank or another, loses
 nothing: the step raises and the current generation still holds the state as
-before (the 16-bit gradients stay in memory). The price is twice the optimizer state's bytes on disk, reserved up
-front; the windows exist only during the walk.
+before (the reduced gradients, `lp_grads`, stay in memory). The price is
+twice the optimizer state's bytes on disk, reserved up front; the windows
+exist only during the walk.
 """
 
 from __future__ import annotations

@@ -2,9 +2,14 @@
 
 A parameter is split across the ranks of its shard group and, where there is
 more than one copy of the model's shards (hierarchical partitioning: FSDP2's
-HSDP, DeepSpeed's hpZ and MiCS), replicated across a replicate group. Every
-module that shards, gathers, reduces, checkpoints or estimates reads this
-rank's place from one `ShardMesh`; none asks "the world".
+HSDP, DeepSpeed's hpZ and MiCS), replicated across a replicate group. The
+code that shards, gathers, reduces and estimates (zero3.partition, the gather
+walk, the gradient reducer, Muon's exchange, `zero3 estimate`) reads this
+rank's place from one `ShardMesh`. Two places still read the world: the
+engine takes its rank from the default group (`dist.get_rank()`: rank 0's
+logs, the per-rank disk directory, the data sampler, a checkpoint's per-rank
+state), and `zero3.initialize` and `zero3.Init` build their mesh over the
+whole job (`of_group`: one replica), so today the two agree.
 
 The geometry is the one DeepSpeed and FSDP2 use: each flattened parameter is
 padded to a multiple of the shard group's size and split into equal shards;

@@ -1,4 +1,11 @@
-"""Turning a module's whole parameters into shards, and shards into gather units."""
+"""Turning a module's whole parameters into shards, and shards into gather units.
+
+`Partitioner` shards one module's own parameters (what `zero3.Init` calls as each constructor
+returns, and the engine's build for whatever Init did not reach). `build_units` then groups the
+shards: one unit per module (or per leaf module), plus one persistent unit of the small
+parameters, and records which units each module's forward must hold. Units are per module, not
+chosen by the user as FSDP2's `fully_shard` calls are.
+"""
 
 from __future__ import annotations
 

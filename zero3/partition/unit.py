@@ -2,9 +2,13 @@
 
 [Note: unit layout]
 The unit's shards are contiguous in the rank's 16-bit flat buffer, so the
-all-gather input is a view, never a copy. The gather itself (copy-in,
-collective, copy-out to each parameter's contiguous value) is the mesh's
-`ParamGather` (zero3.partition.collectives).
+all-gather input is a view, never a copy, where that buffer is on the device
+(a parameter tier's `source` brings the shard in from host memory or disk
+first). The gather itself (copy-in, collective, copy-out to each parameter's
+contiguous value) is the mesh's `ParamGather` (zero3.partition.collectives).
+A unit changes state only through its methods (`start_unshard`, `wait`,
+`reshard`), and stays gathered while it has a `Hold`
+(zero3.runtime.coordinator's [Note: who holds a gathered unit]).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 [Note: who holds a gathered unit]
 A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
 * forward frames: a module's pre-forward hook acquires the units of every
-  parameter in its `_parameters` (its own, and tied ones it shares); its
-  post-forward hook releases them. A parameter read by attribute from another
+  parameter in its `_parameters` (its own, and tied ones it shares), of its
+  registered external parameters, and, for a leaf module, its descendants';
+  its post-forward hook releases them. A parameter read by attribute from another
   module's forward is acquired into the running frame (`on_access`), and one
   that a forward returns is handed to the caller's frame, so it stays valid
   where it is used (the "dangling bias").
@@ -26,9 +27,9 @@ A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
 
 [Note: saved by reference]
 Saved-tensor hooks cost a Python call per saved tensor in forward and another
-in backward, and make autograd's C++ call into Python each time: at a world
-of one with small layers, where the host's work per step is what the device
-waits for, a sixth of the step. When every unit gathers in place, a gathered
+in backward, and make autograd's C++ call into Python each time: a real share
+of the step at a world of one with small layers, where the host's work per
+step is what the device waits for. When every unit gathers in place, a gathered
 unit's values are views of its shard, so a saved tensor stays valid however
 often the unit is released and gathered again; only the parameters themselves,
 which autograd saves by reference as it does every leaf, must view their shards

@@ -1,4 +1,11 @@
-"""The training engine: the object `zero3.initialize` returns."""
+"""The training engine: the object `zero3.initialize` returns.
+
+`ZeroEngine` composes the parts zero3.runtime.build makes (`self.parts`): a forward runs the
+module (the coordinator's hooks gather each unit), `backward` brackets autograd's backward (the
+gradient hooks hand gradients to the reducer), `step` steps the optimizer at the accumulation
+boundary. It also keeps the step counters and agrees failures across ranks (the Note below).
+Checkpoints, state offloading and DeepSpeed's getters are its mixins.
+"""
 
 from __future__ import annotations
 
@@ -56,6 +63,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.mesh = mesh
         self.gather = ParamGather(mesh, comm)
         self.device = device
+        # The rank in the whole job, read from the default group, not the mesh (zero3.partition.mesh's
+        # docstring): rank 0 logs, and the disk directory, the data sampler and a checkpoint's rank state
+        # are per job rank. The mesh spans the whole job today, so the two agree.
         self.global_rank = dist.get_rank()
         self.world_size = mesh.world_size
         self.batch = config.resolve_batch(mesh.world_size)

@@ -28,13 +28,18 @@ A slot is reused once its reduction has landed. On CUDA that wait is a
 stream wait, which never blocks this thread. On the CPU it would block, and
 during a backward another rank may need this one to walk on first
 (zero3.runtime.gather_walk), so a busy slot whose reduction has not finished
-is replaced by a fresh buffer instead; blocking waits happen only once every
-rank has left the backward. (A gloo reduce-scatter's work never reports
-`is_completed()`, measured on torch 2.13: its `wait()` waits for an
-all-reduce and then copies this rank's chunk out, on the calling thread. So
-on the CPU one helper thread waits on the reductions in order and says which
-have finished, and it is the only thread that calls `wait()` on them: the
-backward thread waits for the helper's answer instead.)
+is replaced by a fresh buffer instead; the backward thread never blocks on a
+reduce-scatter before every rank has left the backward. (A gloo
+reduce-scatter's work never reports `is_completed()` in torch 2.13: its
+`wait()` waits for an all-reduce and then copies this rank's chunk out, on
+the calling thread. So on the CPU one helper thread waits on the reductions
+in order and says which have finished, and it is the only thread that calls
+`wait()` on them: the backward thread waits for the helper's answer instead.)
+The all-reduce across replicas (a mesh with a replicate group: `GradReduce.finish`)
+does not keep to this: it is a blocking collective, issued when a reduction
+lands, and a finished reduction lands during the backward too (when a bucket
+takes a slot), so on the CPU the backward thread can wait in it while the
+backward is still running on other ranks.
 In a world of one (no shard group, no replicas) there is nothing to reduce:
 a gradient goes straight into its region of `lp_grads` as it arrives, through
 the same rounding the bucket would give it (the communication dtype, then the
@@ -74,8 +79,7 @@ from zero3.runtime.host_heap import FreedHeapReturn
 # A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
 # exceeds reduce_bucket_size): with one bucket for the whole model (DeepSpeed's 5e8 default covers models
 # up to 500M parameters) nothing is reduced before the backward ends, and the scratch is the whole model.
-# 16 makes the scratch (two slots) an eighth of the gradients, near FSDP2's per-block reduce buffers
-# (measured with benchmarks/step_time.py; the README has the figures).
+# 16 makes the scratch (two slots) an eighth of the gradients, near FSDP2's per-block reduce buffers.
 MIN_BUCKETS = 16
 
 
@@ -448,7 +452,7 @@ class GradientReducer:
         if reduction.finished is not None:
             # Never wait on a gloo reduce-scatter's work from two threads: its wait() is what copies the
             # reduced chunk into `output`, so a second waiter could still be writing into the slot after
-            # it was handed to the next bucket (16 elements of one gradient came out wrong, 1 run in 8).
+            # it was handed to the next bucket (a gradient then comes out wrong).
             reduction.finished.result()
         elif reduction.work is not None:
             reduction.work.wait()

@@ -44,7 +44,7 @@ class GradShards:
         # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
         self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
         # Each slot's view in its parameter's shape, made once per buffer tensor: a world of one adds every
-        # gradient through one, and a narrow per gradient was a tenth of the backward's host time. Dropped
+        # gradient through one, and a narrow per gradient would cost host time on every gradient. Dropped
         # (forget_views) before the buffer moves, so no view keeps the old memory alive.
         self._shaped: dict[ShardedParam, torch.Tensor] = {}
         self._shaped_of: torch.Tensor | None = None

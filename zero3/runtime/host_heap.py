@@ -16,12 +16,10 @@ of gradient shards landed, `malloc_trim(0)` hands the freed heap pages back
 fast as the gradients' pages come. A cadence in bytes, not per bucket, keeps the
 cost in proportion: a small model's short backward makes one or two calls.
 
-Measured on 2 CPU ranks, fp32 (`benchmarks/step_time.py --memory`; the README
-has the tables): peak RSS at GPT 12 x 1024 2,510 MiB against FSDP2's 2,670
-(3,164 without), 7 calls per step, 160-200 ms of a 15 s step; at 6 x 512 796
-against 972. A page handed back costs a page fault when the next forward uses
-it again: the 6 x 512 step took 15% longer (the start's hand-back most of it,
-and it is what brings 12 x 1024 under FSDP2). On CUDA the activations are in
+The price: a page handed back costs a page fault when the next forward uses
+it again, most of it from the hand-back at the start of the backward (the
+peak-memory and step-time effect is measured by `benchmarks/step_time.py
+--memory`; docs/benchmarks.md has the figures). On CUDA the activations are in
 device memory and nothing is done.
 """
 

@@ -64,8 +64,8 @@ def initialize(
         optimizer,
     )
     # Partitioning freed every whole value it sharded (under zero3.Init, every module's) between shards that
-    # stay: glibc keeps those pages resident in its heap, where later allocations of other sizes rarely fit
-    # (measured at GPT 12 x 1024 fp32, 2 ranks: 450-570 MiB per rank). Hand them back once the build is done.
+    # stay: glibc keeps those pages resident in its heap, where later allocations of other sizes rarely fit.
+    # Hand them back once the build is done.
     accelerator.release_host_memory()
     engine.resume_from_config()  # checkpoint.resume: the newest complete checkpoint, if there is one
     loader = None

@@ -2,13 +2,15 @@
 
 [Note: optimizer layout]
 Trainable parameters are laid out in optimizer-group order in flat buffers
-with one shared offset map: `hp_params` (fp32 master), `lp_grads` (16-bit
-reduced gradients), and one per elementwise state of the optimizer (Adam:
-`exp_avg`, `exp_avg_sq`; together the `optim_states`; see zero3.optim.spec).
-The fp32 buffers belong to a tier (zero3.offload's optimizer tier): on the
-device, in host memory (ZeRO-Offload) or in files (ZeRO-Infinity);
-`lp_grads` stays in memory in every tier. Each group's range is cut into
-sub-groups of `sub_group_size` elements (the last one shorter), splitting a
+with one shared offset map: `hp_params` (fp32 master), `lp_grads` (the
+reduced gradients, in `grad_accum_dtype`: zero3.runtime.grad_shards, built by
+the engine and shared with the reducer), and one per elementwise state of the
+optimizer (Adam: `exp_avg`, `exp_avg_sq`; together the `optim_states`; see
+zero3.optim.spec). The fp32 buffers belong to a tier (zero3.offload's
+optimizer tier): on the device, in host memory (ZeRO-Offload) or in files
+(ZeRO-Infinity); `lp_grads` stays in memory in every tier (host memory with
+ZeRO-Offload). Each group's range is cut into sub-groups of
+`sub_group_size` elements (the last one shorter), splitting a
 parameter's shard where a cut falls in it: the update is elementwise, so a
 shard stepped in two pieces gets the same values as in one, and a disk
 tier's windows stay `sub_group_size` however large one parameter is (a
@@ -205,8 +207,8 @@ class ZeroOptimizer:
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
 
-        # Torch's fused kernel where the class has one (on the host Adam's beats foreach and keeps up
-        # with DeepSpeedCPUAdam at large sub-groups: benchmarks/host_adam.py).
+        # Torch's fused kernel where the class has one, on the host too (benchmarks/host_adam.py compares
+        # it with foreach and DeepSpeedCPUAdam).
         self.optimizer, self.fused = optimizer_spec.build(spec, torch_groups)
         # Pieces whose state torch has not created yet (see the Note); adopted after their first step.
         self._fresh: set[nn.Parameter] = {master for sub in self.sub_groups for master in sub.masters}

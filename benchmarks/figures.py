@@ -1,0 +1,309 @@
+#!/usr/bin/env python
+"""Writes the figure tables of docs/benchmarks.md and the README's headline table from benchmark JSON.
+
+The JSON of every published run lives in `benchmarks/measured/` (a benchmark's `--out`/`--json` file,
+copied there when it is the run to quote; each carries its `provenance`: date, command, machine). Each
+file has a section in docs/benchmarks.md between `<!-- figures: begin NAME -->` and
+`<!-- figures: end NAME -->` (NAME: the file's stem), and the README's headline table sits between the
+same markers named `headline`. A rerun refreshes the pages, never a hand edit:
+
+    cp /tmp/step.json benchmarks/measured/step_time_cpu_6x512_bf16.json
+    python benchmarks/figures.py            # rewrite the tables (and --plots: the PNGs, needs matplotlib)
+    python benchmarks/figures.py --check    # exit 1 if a page is not what the JSON says (the test suite runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "benchmarks" / "measured"
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+MIB = 2**20
+
+Figures = dict[str, dict[str, Any]]
+
+
+def load_measured(folder: Path = MEASURED) -> Figures:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+
+
+def day(run: dict[str, Any]) -> str:
+    return str(run["provenance"]["date"])[:10]
+
+
+def provenance_line(run: dict[str, Any]) -> str:
+    made = run["provenance"]
+    return f"Measured {day(run)} on {made['machine']}, torch {made['torch']}:\n`{made['command']}`"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- step_time.py ---------------------------------------------------------------------------------------
+
+def step_setup(run: dict[str, Any]) -> str:
+    setup = run["setup"]
+    offload = "" if setup.get("offload_optimizer", "none") == "none" else f", optimizer offload {setup['offload_optimizer']}"
+    return (f"GPT, {setup['num_parameters'] / 1e6:,.1f}M parameters ({setup['n_layer']} layers x {setup['n_embd']}, "
+            f"sequence {setup['block_size']}), micro batch {setup['micro_batch']} x {setup['nproc']} rank(s), "
+            f"{setup['device']}, {setup['precision']}{offload}; {setup['steps']} timed steps after {setup['warmup']}, "
+            f"{setup['rounds']} alternated run(s) per engine")
+
+
+def step_engines(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: figures for name, figures in run["engines"].items() if "median_ms" in figures}
+
+
+def memory_label(run: dict[str, Any]) -> str:
+    return "peak device MiB (max allocated)" if run["setup"]["device"] == "cuda" else "peak RSS MiB (largest rank)"
+
+
+def render_step_time(run: dict[str, Any]) -> str:
+    engines = step_engines(run)
+    zero3 = engines.get("zero3")
+    rows = []
+    for name, figures in engines.items():
+        runs = ", ".join(f"{value:,.1f}" for value in figures.get("run_medians_ms", [figures["median_ms"]]))
+        ratio = f"{zero3['median_ms'] / figures['median_ms']:.2f}" if zero3 and name != "zero3" else ""
+        peak = figures.get("peak_memory_bytes")
+        memory_ratio = (f"{zero3['peak_memory_bytes'] / peak:.2f}"
+                        if zero3 and name != "zero3" and peak and zero3.get("peak_memory_bytes") else "")
+        rows.append([f"`{name}`", f"**{figures['median_ms']:,.1f}**", runs,
+                     f"{peak / MIB:,.0f}" if peak else "", ratio, memory_ratio])
+    failed = [f"{name}: {figures['error']}" for name, figures in run["engines"].items() if "error" in figures]
+    stopped = [f"{name} ({len(figures['failed_runs'])}: {', '.join(figures['failed_runs'])})"
+               for name, figures in engines.items() if figures.get("failed_runs")]
+    text = (f"{step_setup(run)}.\n\n" + table(["engine", "median step ms", "run medians ms", memory_label(run),
+                                                "zero3 / this, time", "zero3 / this, memory"], rows))
+    if failed:
+        text += "\n\nNot measured: " + "; ".join(failed) + "."
+    if stopped:
+        text += "\n\nRuns that did not finish, left out of the figures: " + "; ".join(stopped) + "."
+    return text + "\n\n" + provenance_line(run)
+
+
+def step_ratio(run: dict[str, Any], engine: str, other: str, what: str = "median_ms") -> float:
+    engines = run["engines"]
+    key = "median_ms" if what == "median_ms" else "peak_memory_bytes"
+    return float(engines[engine][key]) / float(engines[other][key])
+
+
+# ---- checkpoint.py ----------------------------------------------------------------------------------------
+
+def render_checkpoint(run: dict[str, Any]) -> str:
+    rows = []
+    plain = {kind: statistics.median(run["rows"][f"plain {kind}"]) for kind in ("save", "load")}
+    for name, times in run["rows"].items():
+        median = statistics.median(times)
+        engine = "zero3" if name.startswith("zero3") else "plain" if name.startswith("plain") else "fsdp2"
+        kind = "load" if name.endswith("load") else "save"
+        rate = run["bytes"][engine] / median / 1e9
+        blocked = name.endswith("(blocked)")  # the caller's wait, not a transfer: no rate, no ratio
+        rows.append([name, f"**{median:.3f}**", ", ".join(f"{t:.3f}" for t in times),
+                     "" if blocked else f"{rate:.2f}", "" if blocked else f"{plain[kind] / median:.2f}"])
+    ratio = run["load_time_ratio"]["of_medians"]
+    return (f"Two ranks (gloo), {run['parameters'] / 1e6:,.1f}M parameters of fp32 GPT with AdamW "
+            f"({run['bytes']['zero3'] / MIB:,.0f} MiB on disk); the page cache dropped before each load; "
+            f"a time is the slowest rank's.\n\n"
+            + table(["what", "median s", "repeats s", "GB/s", "plain / this"], rows)
+            + f"\n\nzero3's load against plain `torch.load` of the same bytes: **{ratio:.2f}x** "
+              f"(plain's time / zero3's; issue 39's goal: at least 0.8).\n\n" + provenance_line(run))
+
+
+# ---- recovery.py ------------------------------------------------------------------------------------------
+
+def render_recovery(run: dict[str, Any]) -> str:
+    engines = list(run["medians"])
+    phases = list(run["medians"][engines[0]])
+    rows = [[phase, *[f"{run['medians'][engine].get(phase, float('nan')):.2f}" for engine in engines]]
+            for phase in phases]
+    text = (f"A job of {run['parameters'] / 1e6:,.1f}M parameters on 2 ranks under `torchrun --max-restarts`, one "
+            f"rank killed after a checkpoint; seconds from the kill to the first step after the restart, by phase "
+            f"(medians).\n\n" + table(["phase, s", *[f"`{engine}`" for engine in engines]], rows))
+    if "zero3_over_deepspeed" in run:
+        text += f"\n\nzero3 / DeepSpeed, kill to first step: **{run['zero3_over_deepspeed']:.2f}x**."
+    return text + "\n\n" + provenance_line(run)
+
+
+# ---- examples/rlhf_colocate.py --------------------------------------------------------------------------------
+
+def rlhf_phases(ranks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per phase label, over its iterations: median seconds (slowest rank) and the largest rank's RSS after it."""
+    phases: dict[str, dict[str, list[float]]] = {}
+    for rank in ranks:
+        for index, event in enumerate(rank["events"]):
+            key = f"{event['label']}#{index}"
+            entry = phases.setdefault(key, {"seconds": [], "rss": [], "peak": []})
+            entry["seconds"].append(event["seconds"])
+            entry["rss"].append(event["rss_end"])
+            entry["peak"].append(event["memory_peak"])
+    by_label: dict[str, dict[str, list[float]]] = {}
+    for key, entry in phases.items():
+        label = key.rsplit("#", 1)[0]
+        merged = by_label.setdefault(label, {"seconds": [], "rss": [], "peak": []})
+        merged["seconds"].append(max(entry["seconds"]))
+        merged["rss"].append(max(entry["rss"]))
+        merged["peak"].append(max(entry["peak"]))
+    return {label: {"n": len(entry["seconds"]), "seconds": statistics.median(entry["seconds"]),
+                    "rss": statistics.median(entry["rss"]), "peak": max(entry["peak"])}
+            for label, entry in by_label.items()}
+
+
+def render_rlhf(run: dict[str, Any]) -> str:
+    passes = {str(each["park"]): rlhf_phases(each["ranks"]) for each in run["passes"]}
+    parked_name = next(name for name in passes if name != "None")
+    parked, plain = passes[parked_name], passes.get("None", {})
+    rows = []
+    for label, figures in parked.items():
+        other = plain.get(label)
+        rows.append([label, str(figures["n"]), f"{figures['seconds']:.3f}", f"{figures['rss'] / MIB:,.0f}",
+                     f"{figures['peak'] / MIB:,.0f}",
+                     f"{other['seconds']:.3f}" if other else "", f"{other['peak'] / MIB:,.0f}" if other else ""])
+    peak_parked = max(figures["peak"] for figures in parked.values())
+    peak_plain = max(figures["peak"] for figures in plain.values()) if plain else float("nan")
+    args = run["args"]
+    return (f"An actor and a critic (zero3 engines) and a frozen reference, each a GPT of "
+            f"{run['num_parameters'] / 1e6:,.1f}M parameters ({args['n_layer']} x {args['n_embd']}), on the same "
+            f"{run['world_size']} {run['device']} ranks for {args['iterations']} iterations of generate, score, "
+            f"train the actor, train the critic; each engine parked to `{parked_name}` while the others work, "
+            f"beside the same loop without parking. Seconds: median over iterations of the slowest rank; memory: "
+            f"the largest rank's RSS.\n\n"
+            + table(["phase", "n", "s", "RSS after, MiB", "peak, MiB", "no parking: s", "peak, MiB"], rows)
+            + f"\n\nPeak RSS over the loop: **{peak_parked / MIB:,.0f} MiB parking, {peak_plain / MIB:,.0f} MiB "
+              f"not** ({peak_parked / peak_plain:.2f}x).\n\n" + provenance_line(run))
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
+                                                          "checkpoint": render_checkpoint,
+                                                          "recovery": render_recovery, "rlhf": render_rlhf}
+
+
+def kind(name: str) -> str:
+    for prefix in RENDERERS:
+        if name.startswith(prefix):
+            return prefix
+    raise SystemExit(f"benchmarks/measured/{name}.json: no renderer for it (names start with one of {sorted(RENDERERS)})")
+
+
+# ---- the README's headline table ---------------------------------------------------------------------------
+
+def headline(measured: Figures) -> str:
+    """At most ~10 rows: what a reader asks first. Each links to its section of docs/benchmarks.md."""
+    rows: list[list[str]] = []
+
+    def add(what: str, name: str, figure: Callable[[dict[str, Any]], str]) -> None:
+        if name in measured:
+            run = measured[name]
+            rows.append([what, figure(run), f"{run['provenance']['machine']}, {day(run)}",
+                         f"[`{name}`](docs/benchmarks.md#{name})"])
+
+    add("1.27B GPT step, bf16, world 1", "step_time_h200_1_27b",
+        lambda run: f"{step_ratio(run, 'zero3', 'ddp'):.2f}x plain PyTorch, {step_ratio(run, 'zero3', 'fsdp2'):.2f}x FSDP2")
+    add("1.27B GPT peak device memory", "step_time_h200_1_27b",
+        lambda run: f"{step_ratio(run, 'zero3', 'fsdp2', 'memory'):.2f}x FSDP2's")
+    calls = [name for name in ("step_time_h200_113m_call1", "step_time_h200_113m_call2") if name in measured]
+    for name in calls:
+        add("113M GPT step, bf16, world 1 (host-bound)", name,
+            lambda run: f"{step_ratio(run, 'zero3', 'ddp'):.2f}x plain PyTorch (goal 1.15x)")
+    for name in sorted(measured):
+        if name.startswith("step_time_cpu"):
+            run = measured[name]
+            others = [engine for engine in ("ddp", "fsdp2", "deepspeed") if engine in step_engines(run)]
+            add(f"{run['setup']['n_layer']} x {run['setup']['n_embd']} GPT step, {run['setup']['precision']}, "
+                f"{run['setup']['nproc']} CPU ranks", name,
+                lambda run, others=others: ", ".join(f"{step_ratio(run, 'zero3', other):.2f}x {other}" for other in others)
+                + (f"; peak RSS {step_ratio(run, 'zero3', 'fsdp2', 'memory'):.2f}x fsdp2's" if "fsdp2" in others else ""))
+    add("checkpoint every step, async (6 x 512 GPT, 2 ranks)", "step_time_checkpoint_overhead_cpu",
+        lambda run: f"{step_ratio(run, 'zero3-ckpt', 'zero3'):.2f}x the step without (goal 1.05x)")
+    add("checkpoint load vs plain `torch.load`", "checkpoint_cpu",
+        lambda run: f"{run['load_time_ratio']['of_medians']:.2f}x its speed (goal 0.8x)")
+    add("kill to first step after a restart", "recovery_cpu",
+        lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
+                    f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")
+    return table(["what", "zero3", "machine, date", "JSON"], rows)
+
+
+# ---- pages ---------------------------------------------------------------------------------------------------
+
+def replace_section(text: str, name: str, body: str, page: Path) -> str:
+    pattern = re.compile(rf"(<!-- figures: begin {re.escape(name)} -->\n).*?(<!-- figures: end {re.escape(name)} -->)",
+                         re.DOTALL)
+    if not pattern.search(text):
+        raise SystemExit(f"{page.relative_to(ROOT)} has no '<!-- figures: begin {name} -->' ... "
+                         f"'<!-- figures: end {name} -->' section for benchmarks/measured/{name}.json")
+    return pattern.sub(lambda match: match[1] + body + "\n" + match[2], text)
+
+
+def render_pages(measured: Figures) -> dict[Path, str]:
+    page = BENCHMARKS_PAGE.read_text()
+    for name, run in measured.items():
+        page = replace_section(page, name, RENDERERS[kind(name)](run), BENCHMARKS_PAGE)
+    readme = replace_section(README.read_text(), "headline", headline(measured), README)
+    return {BENCHMARKS_PAGE: page, README: readme}
+
+
+def plot(measured: Figures, folder: Path) -> list[Path]:
+    """Step time and peak memory per engine, one pair of bar charts per step_time run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, run in measured.items():
+        if kind(name) != "step_time" or len(step_engines(run)) < 2:
+            continue
+        engines = step_engines(run)
+        figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(8, 3))
+        labels = list(engines)
+        colors = ["tab:orange" if label.startswith("zero3") else "tab:gray" for label in labels]
+        time_axis.bar(labels, [engines[label]["median_ms"] for label in labels], color=colors)
+        time_axis.set_ylabel("median step, ms")
+        memory_axis.bar(labels, [(engines[label].get("peak_memory_bytes") or 0) / MIB for label in labels], color=colors)
+        memory_axis.set_ylabel(memory_label(run).replace(" MiB", ", MiB"))
+        figure.suptitle(f"{name}: {run['setup']['num_parameters'] / 1e6:,.0f}M params, {run['setup']['device']}, "
+                        f"{run['setup']['precision']}, {day(run)}", fontsize=9)
+        figure.tight_layout()
+        path = folder / f"{name}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from its JSON")
+    parser.add_argument("--plots", action="store_true", help="also draw docs/plots/<run>.png (needs matplotlib)")
+    args = parser.parse_args(argv)
+    pages = render_pages(load_measured())
+    stale = [page for page, text in pages.items() if page.read_text() != text]
+    if args.check:
+        for page in stale:
+            print(f"{page.relative_to(ROOT)} is not what benchmarks/measured/ says: run python benchmarks/figures.py")
+        return 1 if stale else 0
+    for page in stale:
+        page.write_text(pages[page])
+        print(f"rewrote {page.relative_to(ROOT)}")
+    if args.plots:
+        folder = ROOT / "docs" / "plots"
+        folder.mkdir(exist_ok=True)
+        for path in plot(load_measured(), folder):
+            print(f"drew {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
