@@ -206,8 +206,8 @@ def headline(measured: Figures) -> str:
     def add(what: str, name: str, figure: Callable[[dict[str, Any]], str]) -> None:
         if name in measured:
             run = measured[name]
-            rows.append([what, figure(run), f"{run['provenance']['machine']}, {day(run)}",
-                         f"[`{name}`](docs/benchmarks.md#{name})"])
+            rows.append([what, figure(run), f"`{run['provenance']['command']}`",
+                         f"{run['provenance']['machine']}, {day(run)}", f"[`{name}`](docs/benchmarks.md#{name})"])
 
     add("1.27B GPT step, bf16, world 1", "step_time_h200_1_27b",
         lambda run: f"{step_ratio(run, 'zero3', 'ddp'):.2f}x plain PyTorch, {step_ratio(run, 'zero3', 'fsdp2'):.2f}x FSDP2")
@@ -232,7 +232,7 @@ def headline(measured: Figures) -> str:
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")
-    return table(["what", "zero3", "machine, date", "JSON"], rows)
+    return table(["what", "zero3", "command", "machine, date", "run"], rows)
 
 
 # ---- pages ---------------------------------------------------------------------------------------------------
