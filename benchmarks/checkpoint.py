@@ -12,8 +12,9 @@ one AdamW step so the moments exist. Then, ``--repeats`` times, interleaved:
 * ``zero3 async``  -- ``save_checkpoint(..., async_save=True)``: the time it
                       blocks the caller, and the time until ``wait_for_checkpoint()``;
 * ``zero3 load``   -- ``engine.load_checkpoint(dir, tag)`` (each item checked
-                      against its checksum as it is read), the files dropped
-                      from the page cache before;
+                      against its checksum as it is read; at the saved world
+                      size each rank reads its own items, without DCP's
+                      planning), the files dropped from the page cache before;
 * ``plain``        -- each rank ``torch.save``s its own flat master and moment
                       shards (the same bytes) into one file and fsyncs it; its
                       load is ``torch.load`` of that file, the cache dropped;

@@ -249,3 +249,26 @@ def test_a_dcp_item_that_names_a_foreign_global_is_refused_named_and_never_run(t
         tensor_item(mapped(file)[slice(*spans["planted"])], file, "item model.w at [0]")
     assert "__0_0.distcp" in str(info.value) and "item model.w at [0]" in str(info.value)
     assert "posix.system" in str(info.value) and not marker.exists()
+
+
+def test_an_items_records_are_found_as_zipfile_finds_them(tmp_path: Path) -> None:
+    """The central directory as torch.save writes it is read by hand (once per item, a few times faster
+    than zipfile); any other archive (here, one with a comment) is left to zipfile, with the same records."""
+    import zipfile
+
+    from zero3.checkpoint.trust import _Bytes, _entries, _records
+
+    for value in (torch.randn(3, 5), torch.tensor(2.0), {"a": torch.arange(4), "b": torch.ones(2, dtype=torch.bool)}):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        raw = memoryview(buffer.getvalue())
+        listed = [(info.filename, info.compress_type, info.file_size, info.header_offset)
+                  for info in zipfile.ZipFile(_Bytes(raw)).infolist()]
+        assert _entries(raw) == listed
+        commented = io.BytesIO(buffer.getvalue())
+        with zipfile.ZipFile(commented, "a") as archive:
+            archive.comment = b"not as torch writes it"
+        other = memoryview(commented.getvalue())
+        assert _entries(other) is None
+        assert {name: bytes(data) for name, data in _records(other).items()} == \
+            {name: bytes(data) for name, data in _records(raw).items()}

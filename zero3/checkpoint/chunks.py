@@ -117,6 +117,18 @@ class RangeChunks:
         assert self.read is not None
         return cursor, self.read(cursor, numel).view(sizes)
 
+    def receive(self, offsets: torch.Size | None, values: torch.Tensor) -> None:
+        """Store a box's loaded values (of the box's shape), as DCP's load does through `LoadPlanner`: copied
+        into the box where the state is in memory, else into a fresh box that is written to disk."""
+        cursor, sizes = self._at[tuple(offsets or ())]
+        if self.values is not None:
+            self.values[cursor : cursor + math.prod(sizes)].view(sizes).copy_(values)
+            return
+        assert self.write is not None
+        box = torch.empty(sizes, dtype=self.dtype)
+        box.copy_(values)
+        self.write(cursor, box.reshape(-1))
+
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default planner; a `RangeChunks` entry answers with its boxes."""

@@ -17,24 +17,28 @@ hyperparameters, the client state, each file's checksum) goes into
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from zero3 import accelerator
 from zero3.checkpoint.async_saves import STAGING
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
+from zero3.checkpoint.read_ahead import PageIn, page_in_own_files
+from zero3.checkpoint.same_layout import SameLayoutLoad
 from zero3.checkpoint.trust import CheckpointReader, VerifiedReader, load_engine_file
 from zero3.checkpoint.tags import (
     ENGINE_FILE, LATEST, METADATA, CheckpointError, FileSums, check_engine_file, check_tag, checksums, damage_error,
@@ -149,6 +153,7 @@ def entries(engine: CheckpointedEngine, optimizer_states: bool, saved: Mapping[s
     """
     out: dict[str, Any] = {}
     optimizer = engine.optimizer
+    saved_states = _saved_states(saved) if saved is not None else {}
     for sp in engine.sharded_params:
         slots = optimizer.masters.get(sp) if optimizer is not None else None
         if optimizer is not None and slots is not None:
@@ -162,20 +167,28 @@ def entries(engine: CheckpointedEngine, optimizer_states: bool, saved: Mapping[s
                         out[prefix + name] = _chunks(sp, slots.moments[name], torch.float32)
                     for name, value in optimizer.scalar_state(sp).items():
                         out[prefix + name] = value
-            elif any(key.startswith(prefix) for key in saved):
+            elif sp.name in saved_states:
                 for name in optimizer.state_names:
                     out[prefix + name] = _chunks(sp, slots.moments[name], torch.float32)
-                for key, meta in saved.items():
-                    scalar = key[len(prefix):]
-                    if key.startswith(prefix) and scalar not in optimizer.state_names and "." not in scalar:
-                        if isinstance(meta, TensorStorageMetadata):
-                            out[key] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+                for scalar, meta in saved_states[sp.name].items():
+                    if scalar not in optimizer.state_names and isinstance(meta, TensorStorageMetadata):
+                        out[prefix + scalar] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         else:
             assert sp.lp_slot is not None
             out[f"model.{sp.name}"] = _chunks(sp, sp.lp_slot, sp.dtype)
     for name, buffer in persistent_buffers(engine.module).items():
         out[f"buffer.{name}"] = buffer  # whole on every rank: written once, loaded in place
     return out
+
+
+def _saved_states(saved: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The checkpoint's optimizer states (`optim.<parameter>.<state>`: a state's name has no dot), by parameter."""
+    found: dict[str, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if key.startswith("optim."):
+            name, _, state_name = key[len("optim."):].rpartition(".")
+            found.setdefault(name, {})[state_name] = meta
+    return found
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -395,9 +408,10 @@ def read_engine_state(path: Path, weights_only: bool = True) -> dict[str, Any]:
     return state
 
 
-def _read_metadata(path: Path, trusted: bool = False) -> dict[str, Any]:
-    """DCP's description of every saved entry, by key (read through the allowlist unless trusted)."""
-    return CheckpointReader(path, trusted).read_metadata().state_dict_metadata
+def _read_metadata(path: Path, trusted: bool = False) -> Metadata:
+    """DCP's description of every saved entry and where its items lie (read through the allowlist unless
+    trusted)."""
+    return CheckpointReader(path, trusted).read_metadata()
 
 
 def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> list[str]:
@@ -425,11 +439,12 @@ def _misfits(saved: dict[str, Any], wanted: dict[str, Any], strict: bool) -> lis
 
 
 def _check(
-    engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
-    load_module_only: bool, strict: bool, weights_only: bool,
-) -> tuple[Path, dict[str, Any], bool, dict[str, Any], dict[str, Any]]:
-    """This rank's checks of a checkpoint before a load reads anything into the engine (no collective)."""
-    path = resolve(load_dir, tag)
+    engine: CheckpointedEngine, path: Path, load_optimizer_states: bool, load_module_only: bool, strict: bool,
+    weights_only: bool,
+) -> tuple[dict[str, Any], bool, Metadata, dict[str, Any]]:
+    """This rank's checks of the tag at `path` before a load reads anything into the engine (no collective):
+    its engine state, whether the optimizer's states load, DCP's metadata, and this rank's state-dict to
+    load (the entries the checkpoint has, unless strict)."""
     state = read_engine_state(path, weights_only)
     optimizer = engine.optimizer
     with_optimizer = optimizer is not None and load_optimizer_states and not load_module_only
@@ -447,7 +462,8 @@ def _check(
                 f"{str(path / ENGINE_FILE)!r}: the checkpoint has {len(saved['param_groups'])} optimizer parameter "
                 f"groups, this engine {len(optimizer.param_groups)}"
             )
-    saved_entries = _read_metadata(path, trusted=not weights_only)
+    metadata = _read_metadata(path, trusted=not weights_only)
+    saved_entries = metadata.state_dict_metadata
     wanted = entries(engine, optimizer_states=with_optimizer, saved=saved_entries)
     problems = _misfits(saved_entries, wanted, strict)
     if problems:
@@ -455,7 +471,9 @@ def _check(
             f"the checkpoint {str(path)!r} does not fit this model ({len(problems)} differences):\n  "
             + "\n  ".join(problems)
         )
-    return path, state, with_optimizer, saved_entries, wanted
+    if not strict:
+        wanted = {key: value for key, value in wanted.items() if key in saved_entries}
+    return state, with_optimizer, metadata, wanted
 
 
 def _read_failure(error: CheckpointException, path: Path, rank: int) -> BaseException:
@@ -471,6 +489,38 @@ def _read_failure(error: CheckpointException, path: Path, rank: int) -> BaseExce
     return first_failure(everyone, "load_checkpoint") or error
 
 
+def _load_resharded(engine: CheckpointedEngine, path: Path, state: dict[str, Any], wanted: dict[str, Any],
+                    weights_only: bool) -> None:
+    """`wanted` read through DCP, which matches each box with the saved chunks it overlaps (collective): a
+    load at another world size or layout. Each item is checked as it is read, and nothing is copied into
+    the engine until every rank's reads passed (zero3.checkpoint.trust's [Note: verified reads])."""
+    reader, planner = VerifiedReader(path, state["files"], trusted=not weights_only), LoadPlanner()
+    try:
+        dcp.load(wanted, storage_reader=reader, planner=planner, process_group=engine.comm.control_group)
+    except CheckpointException as error:  # on every rank, each with nothing copied into the engine
+        reader.release()
+        failure = _read_failure(error, path, engine.rank)
+        raise failure from (None if isinstance(failure, CheckpointError) else error)
+    reader.commit(planner)
+
+
+@contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration, then as it was.
+
+    A full collection walks every object of the process (a training process holds hundreds of thousands),
+    and a load allocates enough (the metadata, a record per item) to set one off now and then: on one rank,
+    it holds every rank in the load's exchange. What a load allocates holds no cycles worth collecting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_collection_paused()
 def load(
     engine: CheckpointedEngine, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
     load_lr_scheduler_states: bool, load_module_only: bool, strict: bool, weights_only: bool = True,
@@ -479,41 +529,59 @@ def load(
     the 16-bit shards marked stale (the engine rewrites them); the counters come back to be applied.
     A refused or damaged file raises the same error on every rank, with nothing loaded: the engine
     file and the metadata are read by every rank before the first collective, and each item is checked
-    as DCP reads it, before any is copied (zero3.checkpoint.trust's [Note: verified reads])."""
+    as it is read, before any is copied (zero3.checkpoint.trust's [Note: verified reads]). At the layout
+    the checkpoint was saved with, each rank reads its items itself, without DCP
+    (zero3.checkpoint.same_layout's Note); at another, DCP reshards."""
     comm = engine.comm
     optimizer = engine.optimizer
     own: Exception | None = None
     found: list[str] = []
+    direct: SameLayoutLoad | None = None
+    misread: list[str] = []
+    paging: PageIn | None = None
     try:
-        path, state, with_optimizer, saved_entries, wanted = _check(engine, load_dir, tag, load_optimizer_states,
-                                                                    load_module_only, strict, weights_only)
+        path = resolve(load_dir, tag)
+        if optimizer is not None and load_optimizer_states and not load_module_only:  # (it reads every state)
+            paging = page_in_own_files(path, engine.rank, engine.world_size)  # (zero3.checkpoint.read_ahead's Note)
+        state, with_optimizer, metadata, wanted = _check(engine, path, load_optimizer_states, load_module_only,
+                                                         strict, weights_only)
         # The files summed whole (`.metadata`; every file of a tag saved before item sums), the work split
         # across ranks, before anything changes; the items summed one by one are checked as they are read.
         names = sorted(name for name, (_, sums) in state["files"].items() if isinstance(sums, int))
         found = damaged(path, state["files"], names[engine.rank :: engine.world_size])
+        if not found:  # at the saved layout, read now (see zero3.checkpoint.same_layout's Note)
+            direct = SameLayoutLoad.plan(wanted, metadata)
+            if direct is not None:
+                misread = direct.read(path, state["files"])
     except Exception as error:  # noqa: BLE001 - every rank raises it, below
         own = error
-    # One exchange: what each rank's checks found (a rank may see other files than the rest: its own disk).
-    everyone = comm.all_gather_objects((describe(own), found))
-    if own is not None:
-        raise own
-    peer = first_failure([failure for failure, _ in everyone], "load_checkpoint")
-    if peer is not None:
-        raise peer
-    found = [line for _, lines in everyone for line in lines]
-    if found:
-        raise damage_error(path, found)
-    if not strict:
-        wanted = {key: value for key, value in wanted.items() if key in saved_entries}
-
-    reader, planner = VerifiedReader(path, state["files"], trusted=not weights_only), LoadPlanner()
+    finally:
+        if paging is not None:
+            paging.stop()
+    # One exchange: what each rank's checks found (a rank may see other files than the rest: its own disk),
+    # whether it could read at the saved layout, and what those reads found.
+    everyone = comm.all_gather_objects((describe(own), found, direct is not None, misread))
+    at_saved_layout = all(read_directly for _, _, read_directly, _ in everyone)
     try:
-        dcp.load(wanted, storage_reader=reader, planner=planner, process_group=comm.control_group)
-    except CheckpointException as error:  # on every rank, each with nothing copied into the engine
-        reader.release()
-        failure = _read_failure(error, path, engine.rank)
-        raise failure from (None if isinstance(failure, CheckpointError) else error)
-    reader.commit(planner)
+        if own is not None:
+            raise own
+        peer = first_failure([failure for failure, *_ in everyone], "load_checkpoint")
+        if peer is not None:
+            raise peer
+        found = [line for _, lines, *_ in everyone for line in lines]
+        if found:
+            raise damage_error(path, found)
+        if at_saved_layout:
+            assert direct is not None
+            misread = list(dict.fromkeys(line for *_, lines in everyone for line in lines))  # (once per item)
+            if misread:
+                raise damage_error(path, misread)
+            direct.commit()
+    finally:
+        if direct is not None:
+            direct.release()  # what was read and not copied: a failed load, or one that goes through DCP
+    if not at_saved_layout:
+        _load_resharded(engine, path, state, wanted, weights_only)
 
     if optimizer is not None:
         if with_optimizer:

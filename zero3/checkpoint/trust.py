@@ -29,18 +29,22 @@ rank has checked what it read:
 1. before DCP runs, `load` checks the engine file, `.metadata`, and any data
    file summed whole (a tag saved before item sums), the files split across
    ranks and the findings exchanged;
-2. in DCP's read step, `VerifiedReader.read_data` maps each file its plan
-   names, checks each saved item it needs against the CRC-32 taken when the
-   item was written (zero3.checkpoint.tags' `FileSums`), and holds the item
-   as a tensor viewing the mapping (a small one is read into a buffer of
-   its own instead: see `_READ_BELOW`). It copies nothing into the engine; a
-   damaged item raises, naming the file and the item;
-3. DCP ends its read step with an all-gather of every rank's outcome, so a
-   failure on one rank raises on all of them (`CheckpointException`), each
-   with nothing copied;
-4. only after that does `commit` copy the held tensors into the planner's
-   targets (the engine's buffers, or a disk tier through the planner's
-   write-back), as DCP's own reader would have as it read.
+2. `read_items` maps each data file a rank needs (in DCP's read step,
+   `VerifiedReader.read_data` for its plan; at the saved layout, without
+   DCP, zero3.checkpoint.same_layout), checks each saved item it needs
+   against the CRC-32 taken when the item was written (zero3.checkpoint.tags'
+   `FileSums`), and holds the item as a tensor viewing the mapping (a small
+   one is read into a buffer of its own instead: see `_READ_BELOW`; the
+   disk is asked for them ahead: zero3.checkpoint.read_ahead's Note). It
+   copies nothing into the engine; a damaged item is reported, naming the
+   file and the item;
+3. every rank's outcome is exchanged (DCP ends its read step with an
+   all-gather of them, raising `CheckpointException` on every rank; a load
+   at the saved layout sends its own with the load's one exchange), so a
+   failure on one rank raises on all of them, each with nothing copied;
+4. only after that does `commit` copy the held tensors into the targets
+   (the engine's buffers, or a disk tier through the planner's write-back),
+   as DCP's own reader would have as it read.
 Between 2 and 4 a rank holds the saved items its plan reads (at the saving
 world size, its own files: its shard of every state loaded) as mapped page
 cache, not as copies: nothing is allocated for them but the small items'
@@ -58,6 +62,7 @@ import logging
 import os
 import pickle
 import re
+import struct
 import sys
 import zipfile
 from collections import OrderedDict
@@ -71,6 +76,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from zero3.checkpoint.read_ahead import advise
 from zero3.checkpoint.tags import CheckpointError, FileSums, damage_error, file_problem, item_problem, mapped
 
 log = logging.getLogger("zero3")
@@ -195,6 +201,9 @@ class VerifiedReader(CheckpointReader):
         for item in plan.items:
             name = self.storage_data[item.storage_index].relative_path
             per_file.setdefault(name, {}).setdefault(item.storage_index, []).append(item)
+        for name, saved in per_file.items():
+            infos = (self.storage_data[index] for index in saved)
+            advise(Path(self.path) / name, ((info.offset, info.length) for info in infos))
         problems: list[str] = []
         for name, saved in sorted(per_file.items()):
             problems += self._read_file(Path(self.path) / name, saved, planner)
@@ -206,32 +215,11 @@ class VerifiedReader(CheckpointReader):
         return done
 
     def _read_file(self, file: Path, saved: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner) -> list[str]:
-        """One file's saved items, in file order: each checked, then held per read item; the problems found."""
-        sums = self.sums.get(file.name)
-        if sums is None:
-            return [f"{str(file)!r} is not among the files the save checksummed"]
-        size, item_sums = sums
-        if (problem := file_problem(file, size)) is not None:
-            return [problem]
-        view = mapped(file)
-        problems = []
-        with open(file, "rb", buffering=0) as source:
-            for index in sorted(saved, key=lambda index: self.storage_data[index].offset):
-                info = self.storage_data[index]
-                what = f"item {index.fqn} at {list(index.offset or ())}"
-                if info.transform_descriptors:
-                    raise CheckpointError(f"{str(file)!r}: {what} was written through "
-                                          f"{list(info.transform_descriptors)}, which zero3 never writes")
-                if info.length < _READ_BELOW:  # (see `_READ_BELOW`)
-                    raw = memoryview(bytearray(info.length))
-                    raw = raw[: os.preadv(source.fileno(), [raw], info.offset)]
-                else:
-                    raw = view[info.offset : info.offset + info.length]
-                if not isinstance(item_sums, int):  # (a file summed whole was checked before DCP ran)
-                    if (problem := item_problem(file, raw, info.offset, info.length, item_sums, what)) is not None:
-                        problems.append(problem)
-                        continue
-                self._hold(raw, saved[index], planner, file, what)
+        """One file's saved items, each checked, then held per read item; the problems found."""
+        infos = {index: self.storage_data[index] for index in saved}
+        checked, problems = read_items(file, self.sums.get(file.name), infos)
+        for index, (raw, what) in checked.items():
+            self._hold(raw, saved[index], planner, file, what)
         return problems
 
     def _hold(self, raw: memoryview, reads: list[ReadItem], planner: LoadPlanner, file: Path, what: str) -> None:
@@ -255,6 +243,41 @@ class VerifiedReader(CheckpointReader):
     def release(self) -> None:
         """Let go of what was read and not committed (a load that failed)."""
         self._held = []
+
+
+def read_items(
+    file: Path, sums: FileSums | None, items: Mapping[MetadataIndex, Any],
+) -> tuple[dict[MetadataIndex, tuple[memoryview, str]], list[str]]:
+    """The saved items of one data file (`items`: DCP's storage info of each, by index), read in file order
+    and each checked against its sum (see [Note: verified reads]): the bytes of each item that passed, with
+    the words that name it, and one line per problem found. Nothing is copied but the small items."""
+    if sums is None:
+        return {}, [f"{str(file)!r} is not among the files the save checksummed"]
+    size, item_sums = sums
+    if (problem := file_problem(file, size)) is not None:
+        return {}, [problem]
+    order = sorted(items, key=lambda index: items[index].offset)
+    checked: dict[MetadataIndex, tuple[memoryview, str]] = {}
+    problems = []
+    view = mapped(file)
+    with open(file, "rb", buffering=0) as source:
+        for index in order:
+            info = items[index]
+            what = f"item {index.fqn} at {list(index.offset or ())}"
+            if info.transform_descriptors:
+                raise CheckpointError(f"{str(file)!r}: {what} was written through "
+                                      f"{list(info.transform_descriptors)}, which zero3 never writes")
+            if info.length < _READ_BELOW:  # (see `_READ_BELOW`)
+                raw = memoryview(bytearray(info.length))
+                raw = raw[: os.preadv(source.fileno(), [raw], info.offset)]
+            else:
+                raw = view[info.offset : info.offset + info.length]
+            if not isinstance(item_sums, int):  # (a file summed whole was checked before the reads)
+                if (problem := item_problem(file, raw, info.offset, info.length, item_sums, what)) is not None:
+                    problems.append(problem)
+                    continue
+            checked[index] = (raw, what)
+    return checked, problems
 
 
 def _piece(tensor: torch.Tensor, item: ReadItem, file: Path, what: str) -> torch.Tensor:
@@ -313,20 +336,51 @@ class _Bytes(io.RawIOBase):
 
 
 _LOCAL_HEADER = 30  # a zip local file header's fixed part; its name and extra-field lengths are at 26 and 28
+_END = struct.Struct("<4s4H2LH")  # the end of the central directory (no zip64 in use)
+_ENTRY = struct.Struct("<4s6H3L5H2L")  # a central directory entry's fixed part, its name after it
+_ZIP64 = 0xFFFFFFFF  # an entry field that zip64 holds instead
 
 
 def _records(raw: memoryview) -> dict[str, memoryview]:
     """The records of a `torch.save` archive (stored, never compressed) by name past the archive's own
     folder: views of `raw`."""
     records = {}
-    for info in zipfile.ZipFile(_Bytes(raw)).infolist():
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise zipfile.BadZipFile(f"{info.filename} is compressed")
-        at = info.header_offset
+    entries = _entries(raw)
+    if entries is None:
+        entries = [(info.filename, info.compress_type, info.file_size, info.header_offset)
+                   for info in zipfile.ZipFile(_Bytes(raw)).infolist()]
+    for name, compression, size, at in entries:
+        if compression != zipfile.ZIP_STORED:
+            raise zipfile.BadZipFile(f"{name} is compressed")
         start = at + _LOCAL_HEADER + int.from_bytes(raw[at + 26 : at + 28], "little") \
             + int.from_bytes(raw[at + 28 : at + 30], "little")
-        records[info.filename.split("/", 1)[-1]] = raw[start : start + info.file_size]
+        records[name.split("/", 1)[-1]] = raw[start : start + size]
     return records
+
+
+def _entries(raw: memoryview) -> list[tuple[str, int, int, int]] | None:
+    """(name, compression, size, local header offset) of each record, from the central directory as
+    `torch.save` writes it (no comment, every size and offset in its 32-bit field); None for any other
+    archive, which `zipfile` reads instead. A lookup a few times faster than zipfile's, once per item."""
+    if len(raw) < _END.size:
+        return None
+    signature, _, _, _, count, size, start, comment = _END.unpack_from(raw, len(raw) - _END.size)
+    end = start + size
+    if signature != b"PK\x05\x06" or comment or end > len(raw) - _END.size:
+        return None
+    entries = []
+    at = start
+    for _ in range(count):
+        if at + _ENTRY.size > end:
+            return None
+        (signature, _, _, flags, compression, _, _, _, _, file_size, name_length, extra_length, comment_length,
+         _, _, _, header) = _ENTRY.unpack_from(raw, at)
+        if signature != b"PK\x01\x02" or _ZIP64 in (file_size, header):
+            return None
+        name = bytes(raw[at + _ENTRY.size : at + _ENTRY.size + name_length])
+        entries.append((name.decode("utf-8" if flags & 0x800 else "cp437"), compression, file_size, header))
+        at += _ENTRY.size + name_length + extra_length + comment_length
+    return entries
 
 
 # The storages a plain dense tensor's pickle names, by name (the classes' own `dtype` is deprecated to read).
