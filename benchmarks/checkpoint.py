@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
           f"per repeat {', '.join(f'{r:.2f}' for r in per_repeat)} (median {statistics.median(per_repeat):.2f})")
     print(f"CPU seconds of the loads, busiest rank, median: zero3 {statistics.median(cpu['zero3 load']):.3f}, plain "
           f"{statistics.median(cpu['plain load']):.3f}")
-    out = {"benchmark": "checkpoint", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    from provenance import provenance  # benchmarks/provenance.py, beside this script
+
+    out = {"benchmark": "checkpoint", "provenance": provenance(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "host": platform.node(), "torch": torch.__version__, "parameters": params, "rows": rows, "bytes": sizes,
            "plain_GBps": plain, "load_time_ratio": {"of_medians": load_ratio, "per_repeat": per_repeat},
            "load_cpu_s": cpu,
