@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from its JSON")
     parser.add_argument("--plots", action="store_true", help="also draw docs/plots/<run>.png (needs matplotlib)")
     args = parser.parse_args(argv)
-    pages = render_pages(load_measured())
+    measured = load_measured()
+    pages = render_pages(measured)
     stale = [page for page, text in pages.items() if page.read_text() != text]
     if args.check:
         for page in stale:
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots:
         folder = ROOT / "docs" / "plots"
         folder.mkdir(exist_ok=True)
-        for path in plot(load_measured(), folder):
+        for path in plot(measured, folder):
             print(f"drew {path.relative_to(ROOT)}")
     return 0
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zero3.checkpoint.tags import ENGINE_FILE, ENGINE_SUM, METADATA, dcp_files, mapped
+from zero3.checkpoint.tags import ENGINE_FILE, ENGINE_SUM, METADATA, dcp_files, dcp_writers, mapped
 
 _SPAN_GAP = 64 << 10  # items closer than this are asked for as one span (the gap costs less than a request)
 _STEP = 8 << 20  # bytes paged in between looks at the stop flag
@@ -85,9 +85,7 @@ def page_in_own_files(path: Path, rank: int, world_size: int) -> PageIn | None:
     """Where the tag's data files were written by as many ranks as load it (the saved world size, seen before
     any file is read), this rank's own, paged in from now on; else None. The engine file and the metadata,
     which the load reads first, are asked for before them (else their reads would wait behind the paging)."""
-    files = dcp_files(path)
-    writers = {file.name[2:].split("_", 1)[0] for file in files}  # `__<rank>_<n>.distcp`
-    if writers != {str(writer) for writer in range(world_size)}:
+    if dcp_writers(path) != set(range(world_size)):
         return None
     own = [file for file in dcp_files(path, rank) if file.is_file() and file.stat().st_size > 0]
     if not own:

@@ -88,6 +88,12 @@ def dcp_files(path: Path, rank: int | None = None) -> list[Path]:
     return sorted(path.glob(pattern))
 
 
+def dcp_writers(path: Path) -> set[int]:
+    """The ranks whose data files are in `path` (`__<rank>_<n>.distcp`, as `dcp_files` finds them)."""
+    prefixes = (file.name[2:].split("_", 1)[0] for file in dcp_files(path))
+    return {int(prefix) for prefix in prefixes if prefix.isdigit()}
+
+
 ItemSums = dict[int, tuple[int, int]]
 """The items of one DCP data file, by their offset in it: (the item's bytes, their CRC-32)."""
 FileSums = tuple[int, int | ItemSums]
