@@ -19,6 +19,7 @@ from tests.distributed import run_ranks
 from zero3.comm import Communicator
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.partition.mesh import ShardMesh
+from zero3.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent / "zero3"
 
@@ -102,14 +103,15 @@ def test_the_parameter_gather_plain_in_place_coded_and_laid_out() -> None:
 def _reduces_with_replicas(rank: int, world: int) -> dict:
     dist.init_process_group("gloo")
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    mesh = ShardMesh.from_device_mesh(device_mesh)
-    reduce = GradReduce(mesh, Communicator(mesh.shard_group))
+    topology = Topology.build(torch.device("cpu"), mesh=device_mesh)
+    mesh = topology.shard
+    reduce = GradReduce(mesh, Communicator(topology))
     full = torch.arange(8, dtype=torch.float32) * (rank + 1)  # this rank's whole gradient (padded)
     output = reduce.own_chunk(full, 4)
     work = reduce.start(output, full)
     if work is not None:
         work.wait()
-    reduce.finish(output)
+    reduce.comm.all_reduce_replicas(output)
     return {"coords": (mesh.shard_size, mesh.shard_rank, mesh.replicate_size, mesh.replicate_rank),
             "shard": output.clone(), "world": mesh.world_size}
 

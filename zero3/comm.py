@@ -22,13 +22,16 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from zero3 import accelerator
+
+if TYPE_CHECKING:
+    from zero3.topology import Topology
 
 log = logging.getLogger("zero3")
 
@@ -261,6 +264,12 @@ def _attempt_token(store: dist.Store, rank: int, world_size: int, timeout: datet
     return token
 
 
+def engine_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """How long the engine's groups wait for a lost peer: the config's `comm_timeout_s`, else as long
+    as the default group does (its owner's choice; None where torch does not say)."""
+    return _as_timeout(timeout_s, "comm_timeout_s") or _group_timeout(None)
+
+
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
     """The timeout `group` (None: the default group) was made with, where torch says (None: unknown)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
@@ -275,25 +284,26 @@ def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None
 
 
 class Communicator:
-    """The collectives of one shard group, on flat tensors only. Where this rank sits (its shard and
-    replicate coordinates) is not asked here: zero3.partition.mesh.ShardMesh says it.
+    """The engine's collectives on flat tensors, on the groups of one `Topology` (zero3.topology).
+    Where this rank sits (its shard and replicate coordinates) is not asked here: the topology's
+    `ShardMesh` says it.
 
-    [Note: four groups]
-    Parameter all-gathers run on `group` (the default group, or the engine's
-    own where `comm_timeout_s` differs: `for_engine`), in the order of the
-    lockstep gather walk (zero3.runtime.gather_walk), which every rank issues
-    identically; the step's norm sum runs there too. Gradient reduce-scatters
-    run in a canonical bucket order, but at times that depend on each rank's
-    backward, so they get a group of their own (`reduce_group`): a collective
-    sequence must match only within a group. The walk's markers and the step's
-    flags are small host tensors on a gloo group (`control_group`), so reading
-    one never waits on the accelerator; a blocking save and a load run DCP on
-    it too. Checkpoint writes that run while training goes on (an async save)
-    get a gloo group of their own (`checkpoint_group`, made at the first async
-    save). `open_side_groups` makes the reduce and control groups (a
-    collective call, made by the engine on every rank); `close` destroys every
-    group made here. A world of one needs none of them. A mesh's replicate
-    group is not made here: it comes with the mesh (zero3.partition.mesh).
+    [Note: the engine's groups]
+    Parameter all-gathers run on the topology's gather group, in the order of
+    the lockstep gather walk (zero3.runtime.gather_walk), which every rank
+    issues identically; the step's norm sum runs there too. Gradient
+    reduce-scatters run in a canonical bucket order, but at times that depend
+    on each rank's backward, so they get a group of their own (the reduce
+    group): a collective sequence must match only within a group. The walk's
+    markers, the step's flags and every agreement are small host tensors on the
+    gloo control group, which spans the whole job, so reading one never waits
+    on the accelerator and one rank's failure reaches every replica; a
+    blocking save and a load run DCP on it too. Checkpoint writes that run
+    while training goes on (an async save) get a gloo group of their own (the
+    topology's `checkpoint_group`). None of these is the default group
+    (zero3.topology's [Note: one topology]). Without a topology (zero3.Init,
+    before an engine exists) every collective runs on the default group, as
+    DeepSpeed's zero.Init does.
     """
 
     # [Note: the worker's tensors]
@@ -308,54 +318,24 @@ class Communicator:
     # tensors (`_HANDED_OVER`), whose reference counts say whether a worker
     # still holds them, and at exit the interpreter waits, releasing the GIL,
     # until no worker does.
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None) -> None:
-        self.group = group
-        self._size = dist.get_world_size(group)  # a group of one communicates nothing
-        # How long a collective on a group made here waits for a peer before it raises (config
-        # comm_timeout_s); None: as long as `group`'s own collectives do.
-        self._timeout = _as_timeout(timeout_s, "comm_timeout_s") or _group_timeout(group)
-        self.reduce_group: dist.ProcessGroup | None = group
-        self.control_group: dist.ProcessGroup | None = group
-        self._side_groups: list[dist.ProcessGroup] = []
-        self._checkpoint_group: dist.ProcessGroup | None = None
-        self._own_group: dist.ProcessGroup | None = None  # made by `for_engine`, destroyed by `close`
-
-    @classmethod
-    def for_engine(cls, timeout_s: float | None) -> Communicator:
-        """The engine's communicator over the whole job. With a `comm_timeout_s` the default group was
-        not made with (the user's own group, or zero3.Init's), the parameter gathers and the step's sums
-        run on a group of the engine's own that has it, so no engine collective waits longer for a lost
-        peer; the default group stays as its owner made it."""
-        timeout = _as_timeout(timeout_s, "comm_timeout_s")
-        if timeout is None or dist.get_world_size() == 1 or _group_timeout(None) == timeout:
-            return cls(None, timeout_s)
-        group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
-        communicator = cls(group, timeout_s)
-        communicator._own_group = group
-        return communicator
-
-    def open_side_groups(self) -> None:
-        if self._size == 1 or self._side_groups:
-            return
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        backend = dist.get_backend(self.group)
-        self.reduce_group = dist.new_group(ranks=ranks, backend=backend, timeout=self._timeout)
-        self.control_group = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
-        self._side_groups = [self.reduce_group, self.control_group]
+    def __init__(self, topology: Topology | None = None) -> None:
+        self.topology = topology
+        if topology is None:
+            self.group = self.reduce_group = self.control_group = None
+            self._size = self._job_size = dist.get_world_size()
+        else:
+            self.group = topology.gather_group
+            self.reduce_group = topology.reduce_group
+            self.control_group = topology.control_group
+            self._size = topology.shard.shard_size  # a group of one communicates nothing
+            self._job_size = topology.world_size
 
     def close(self) -> None:
-        """Destroy the side groups and a group `for_engine` made (every rank calls this, as it called
-        `open_side_groups`)."""
-        groups, self._side_groups = self._side_groups, []
-        if self._own_group is not None:
-            groups.append(self._own_group)
-            self._own_group = None
-        self._checkpoint_group = None
+        """Destroy the topology's groups (every rank calls this)."""
         _forget_released()
-        self.reduce_group = self.control_group = self.group
-        if dist.is_initialized():
-            for group in groups:
-                dist.destroy_process_group(group)
+        if self.topology is not None:
+            self.topology.close()
+            self.topology = None
 
     def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output[r*n:(r+1)*n] = rank r's `shard` (n = shard.numel())."""
@@ -379,8 +359,8 @@ class Communicator:
 
     def all_gather_control(self, values: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
         """Start gathering a small host tensor from every rank on the control group: ([world, n], work)."""
-        output = torch.empty((self._size, values.numel()), dtype=values.dtype)
-        if self._size == 1:
+        output = torch.empty((self._job_size, values.numel()), dtype=values.dtype)
+        if self._job_size == 1:
             output[0].copy_(values)
             return output, None
         out, inp = self._hand_over(output.view(-1), values)
@@ -395,21 +375,52 @@ class Communicator:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self._size > 1:
-            root = dist.get_global_rank(self.group, src) if self.group else src
+        """Job rank `src`'s `tensor` on every rank of the job, replicas too (so that they start equal)."""
+        if self._job_size > 1:
+            group = self.topology.job_group if self.topology is not None else None
             (alias,) = self._hand_over(tensor)
-            self._started(dist.broadcast(alias, src=root, group=self.group, async_op=True), False)
+            self._started(dist.broadcast(alias, src=src, group=group, async_op=True), False)
+        return tensor
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum across the replicas of this rank's shard (HSDP, MiCS; none: nothing to do). A host tensor
+        beside an accelerator goes on the topology's gloo replicate group.
+
+        [Note: the replicas' sum, once a step]
+        The reduce-scatters land in an order each rank's timing decides (the
+        reducer lands what has finished), so an all-reduce per landed bucket
+        would reach the replicate group in different orders on different
+        ranks, and a blocking one mid-backward waits on a replica that has
+        moved on to the walk's end-of-pass markers, which wait on this rank. So
+        the replicas sum the accumulated gradient shard once, where every rank
+        agrees on the step (as DeepSpeed's MiCS does at the accumulation
+        boundary): the same bytes cross between replicas, once per step rather
+        than once per micro-step.
+        """
+        topology = self.topology
+        if topology is None or topology.shard.replicate_size == 1:
+            return tensor
+        group = topology.replicate_group
+        if tensor.device.type == "cpu" and dist.get_backend(group) != "gloo":
+            group = topology.host_replicate_group
+        (alias,) = self._hand_over(tensor)
+        self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=group, async_op=True), False)
         return tensor
 
     @property
+    def job_alone(self) -> bool:
+        """A job of one rank: no agreement to reach."""
+        return self._job_size == 1
+
+    @property
     def alone(self) -> bool:
-        """A group of one: every collective is the identity."""
+        """A shard group of one: every parameter and gradient collective is the identity."""
         return self._size == 1
 
     def any_of_flags(self, flags: list[bool]) -> list[bool]:
         """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group,
         so the answer never waits on the accelerator."""
-        if self._size == 1:
+        if self._job_size == 1:
             return list(flags)
         counts = torch.tensor(flags, dtype=torch.uint8)
         (alias,) = self._hand_over(counts)
@@ -418,27 +429,20 @@ class Communicator:
 
     def all_gather_objects(self, value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
         """Every rank's picklable `value`, in rank order (default: the gloo control group, between steps)."""
-        if self._size == 1:
+        if self._job_size == 1:
             return [value]
-        out: list[Any] = [None] * self._size
+        out: list[Any] = [None] * self._job_size
         dist.all_gather_object(out, value, group=group or self.control_group)
         return out
 
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:
         """Every rank has reached this point (default: the gloo control group, between steps)."""
-        if self._size > 1:
+        if self._job_size > 1:
             dist.barrier(group=group or self.control_group)
 
     def checkpoint_group(self) -> dist.ProcessGroup | None:
-        """A gloo group of its own for checkpoint writes that run while training goes on (made on first
-        use: every rank must ask at the same point, as a save does)."""
-        if self._size == 1:
-            return self.group
-        if self._checkpoint_group is None:
-            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-            self._checkpoint_group = dist.new_group(ranks=ranks, backend="gloo", timeout=self._timeout)
-            self._side_groups.append(self._checkpoint_group)
-        return self._checkpoint_group
+        """The gloo group of checkpoint writes that run while training goes on (the topology's)."""
+        return self.topology.checkpoint_group() if self.topology is not None else self.group
 
     @staticmethod
     def forget_released() -> None:

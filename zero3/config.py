@@ -638,6 +638,11 @@ class ZeroConfig(_Model):
     log_trace_cache_warnings: bool = False
     save_muon_momentum_buffer_in_memory: bool = False
     compute_grad_norm: bool = True
+    # MiCS (DeepSpeed's keys): every state sharded within groups of this many ranks, the groups
+    # replicas of each other (-1: the whole job is one shard group). zero3.topology checks the size
+    # against the world.
+    mics_shard_size: int = Field(default=-1, ge=-1)
+    mics_hierarchical_params_gather: bool = False
     # Not offered (yet): accepted only at the value that leaves them off.
     zero_hpz_partition_size: int = Field(default=1, ge=0)
     zero_quantized_weights: bool = False
@@ -671,6 +676,13 @@ class ZeroConfig(_Model):
             if target is not None:
                 data[target] = translated
         return data
+
+    @field_validator("mics_shard_size")
+    @classmethod
+    def _a_group_size_or_off(cls, size: int) -> int:
+        if size == 0:
+            raise ValueError("expected -1 (one shard group of every rank) or a positive number of ranks per group")
+        return size
 
     @field_validator("stage")
     @classmethod
@@ -787,6 +799,14 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.stage": ("implemented", "3; other stages are refused"),
     "zero_optimization.stage3_param_persistence_threshold": (
         "implemented", "parameters this small stay gathered"),
+    "zero_optimization.mics_shard_size": (
+        "implemented", "MiCS: every state sharded within groups of this many ranks (consecutive ranks), "
+        "replicated across the groups; gradients reduce-scattered in the group each micro-step and "
+        "summed across the replicas once per step; -1: one group of every rank. Must divide the world size. The same layout as "
+        "`zero3.initialize(mesh=...)` with a 2-D (replicate, shard) DeviceMesh"),
+    "zero_optimization.mics_hierarchical_params_gather": (
+        "no effect", "zero3 gathers a MiCS shard group's parameters in one all-gather on the group's own "
+        "communicator, whose library (NCCL) already routes it across nodes hierarchically"),
     "zero_optimization.stage3_model_persistence_threshold": (
         "implemented", "caps the elements kept gathered in all"),
     "zero_optimization.stage3_prefetch_bucket_size": (

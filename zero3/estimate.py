@@ -88,6 +88,8 @@ class EstimateSettings:
     accelerator: str = "cuda"  # the engine's device: "cpu" makes the device host memory
     # fp32 states the optimizer keeps per element besides the master (Adam: 2; SGD with momentum: 1).
     optimizer_states: int = 2
+    # zero_optimization.mics_shard_size: the ranks each state is sharded over (-1: every rank)
+    mics_shard_size: int = -1
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, tuple(PRECISIONS))
@@ -105,6 +107,21 @@ class EstimateSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} {value!r}: expected a whole number >= {least}")
+        size = self.mics_shard_size
+        if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
+            raise ValueError(f"mics_shard_size {size!r}: expected -1 (every rank) or a positive number of ranks")
+
+    def shard_group_size(self, world_size: int) -> int:
+        """The ranks a state is sharded over at `world_size` (zero3.topology's rule, and its error)."""
+        size = self.mics_shard_size
+        if size == -1:
+            return world_size
+        if world_size % size:
+            raise ValueError(
+                f"zero_optimization.mics_shard_size={size} does not divide the world size {world_size}: expected "
+                "a divisor of it (ranks per shard group), or -1"
+            )
+        return size
 
     @classmethod
     def from_config(cls, config: Zero3Config, accelerator: str = "cuda") -> "EstimateSettings":
@@ -124,6 +141,7 @@ class EstimateSettings:
             communication_dtype=config.communication_data_type,
             accelerator=accelerator,
             optimizer_states=_optimizer_states(config),
+            mics_shard_size=zc.mics_shard_size,
         )
 
     @property
@@ -332,7 +350,7 @@ def estimate(
     for name, value in (("ranks_per_node", ranks_per_node), ("nodes", nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} {value!r}: expected a whole number >= 1")
-    world = ranks_per_node * nodes
+    world = settings.shard_group_size(ranks_per_node * nodes)  # the ranks each state is split over
     if (params is None) == (model is None):
         raise ValueError("give exactly one of params (a parameter count) and model")
     if model is not None:

@@ -123,8 +123,9 @@ class ParamGather:
 
 
 class GradReduce:
-    """The gradient reduction of one mesh: reduce-scatter over the shard group, then an all-reduce of
-    the reduced shard across replicas where the mesh has them."""
+    """The gradient reduction of one mesh's shard group: a reduce-scatter per bucket. Where the mesh has
+    replicas, the reduced shards are summed across them once per step, not here: see
+    `Communicator.all_reduce_replicas` (zero3.runtime.optimizer's `agree_on_gradients`)."""
 
     def __init__(self, mesh: ShardMesh, comm: Communicator | None) -> None:
         self.mesh = mesh
@@ -140,8 +141,3 @@ class GradReduce:
         assert self.comm is not None, "a layout-only mesh cannot reduce"
         return self.comm.reduce_scatter_flat(output, full, async_op=True)
 
-    def finish(self, output: torch.Tensor) -> None:
-        """After the reduce-scatter completed: sum the reduced shard across the replicas (none: no-op)."""
-        if self.mesh.replicate_size > 1:
-            assert self.comm is not None
-            self.comm.all_reduce_sum(output, group=self.mesh.replicate_group)

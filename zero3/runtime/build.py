@@ -269,6 +269,15 @@ def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None,
 
 def partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
     """Partition what zero3.Init did not, move buffers, and name every parameter."""
+    for name, param in model.named_parameters():
+        sp = sharded(param)
+        if sp is not None and sp.mesh.shard_size != gather.mesh.shard_size:
+            raise ValueError(
+                f"parameter {name} was partitioned by zero3.Init over {sp.mesh.shard_size} ranks, but the engine "
+                f"shards over groups of {gather.mesh.shard_size} (zero_optimization.mics_shard_size, or the mesh "
+                "given to zero3.initialize): build the model without zero3.Init (zero3.Init over a smaller "
+                "shard group is not offered yet)"
+            )
     partitioner = Partitioner(gather, device, dtype)
     for name, module in model.named_modules():
         partitioner.partition_module(module, name)

@@ -100,7 +100,6 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             log.info("no parameter requires grad: the engine is built without an optimizer (it does not train)")
             spec = None
 
-        comm.open_side_groups()
         self.parts = build(
             model, config, comm, self.gather, device, model_parameters, self.global_rank, spec,
             self.batch.gradient_accumulation_steps,

@@ -456,7 +456,6 @@ class GradientReducer:
             reduction.finished.result()
         elif reduction.work is not None:
             reduction.work.wait()
-        self.reduce.finish(reduction.output)
         params = reduction.bucket.params
         assert self.grads is not None, "a gradient was reduced but nothing is trained"
         if params and self.grads.buffer.device != reduction.output.device:

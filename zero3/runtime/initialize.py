@@ -7,15 +7,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
 from zero3.optim import spec as optimizer_spec
-from zero3.partition.mesh import ShardMesh
 from zero3.runtime.dataloader import check_dataset, training_loader
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.topology import Topology
 
 
 def initialize(
@@ -28,6 +29,7 @@ def initialize(
     config_params: dict | None = None,
     device: torch.device | str | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[ZeroEngine, ZeroOptimizer | None, DataLoader | None, Any]:
     """Returns (engine, optimizer, dataloader, lr_scheduler), as DeepSpeed does.
 
@@ -39,7 +41,9 @@ def initialize(
     as a DataLoader over this rank's share of it (see zero3.runtime.dataloader),
     batched by `collate_fn` if given. `lr_scheduler` may be
     a scheduler factory taking the torch optimizer. `device` picks the device
-    as `zero3.Init` does (see `zero3.accelerator.resolve_device`).
+    as `zero3.Init` does (see `zero3.accelerator.resolve_device`). `mesh` (a torch DeviceMesh over the
+    whole job, FSDP2's way) lays the ranks out: 1-D shards over every rank, 2-D is (replicate, shard);
+    the engine makes groups of its own over the same ranks (zero3.topology's Note).
     """
     if config is not None and config_params is not None:
         raise ValueError("pass the config as `config` or `config_params`, not both")
@@ -58,11 +62,16 @@ def initialize(
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.join_default_group(device, cfg.comm_timeout_s)
-    communicator = comm.Communicator.for_engine(cfg.comm_timeout_s)
-    engine = ZeroEngine(
-        model, cfg, communicator, ShardMesh.of_group(communicator.group), device, model_parameters, lr_scheduler,
-        optimizer,
-    )
+    topology = Topology.build(device, comm.engine_timeout(cfg.comm_timeout_s), mesh,
+                              cfg.zero_optimization.mics_shard_size)
+    communicator = comm.Communicator(topology)
+    try:
+        engine = ZeroEngine(
+            model, cfg, communicator, topology.shard, device, model_parameters, lr_scheduler, optimizer,
+        )
+    except BaseException:
+        communicator.close()
+        raise
     # Partitioning freed every whole value it sharded (under zero3.Init, every module's) between shards that
     # stay: glibc keeps those pages resident in its heap, where later allocations of other sizes rarely fit.
     # Hand them back once the build is done.

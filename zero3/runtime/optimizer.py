@@ -248,8 +248,8 @@ class ZeroOptimizer:
             return
         mesh = matrices[0].mesh
         group = mesh.shard_group
-        if self.step_device.type == "cpu" and dist.get_backend(group) != "gloo":
-            group = self.comm.control_group  # host tensors (ZeRO-Offload beside a GPU) travel on gloo
+        if self.step_device.type == "cpu" and dist.get_backend(group) != "gloo" and self.comm.topology is not None:
+            group = self.comm.topology.host_shard_group  # host tensors (ZeRO-Offload beside a GPU) travel on gloo
         self.exchange = MatrixExchange(
             [Matrix(sp, sp.shape, sp.numel, sp.shard_numel, self.order_offsets[sp]) for sp in matrices],
             mesh.shard_rank, mesh.shard_size, group, bucket_numel, self.spec.muon,
@@ -372,8 +372,9 @@ class ZeroOptimizer:
         flags are host booleans, agreed on the gloo control group, so reading
         them never waits on the accelerator (see [Note: a step without host syncs]).
         """
+        self.comm.all_reduce_replicas(self.lp_grads.tensor)  # see the Note there
         squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
-        if self.comm.alone:
+        if self.comm.job_alone:
             return squared[0], failed  # nothing to agree with: this rank's flags are everyone's
         arrived = self.grads.arrived
         agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params] + [failed])

@@ -1,0 +1,284 @@
+"""Where each rank sits in the job, and every process group the engine uses.
+
+[Note: one topology]
+Every engine collective runs on a group made here, in one place, and none on
+the default group. A model's own collective on the default group (expert- or
+tensor-parallel code in its forward) would otherwise pair with another rank's
+parameter gather whenever the ranks take different routes through the model,
+and both would wait forever. The groups:
+
+* `gather_group`: the shard group's parameter all-gathers, issued in the
+  lockstep walk's order (zero3.runtime.gather_walk); the step's norm sum too.
+* `reduce_group`: the same ranks, for gradient reduce-scatters, which start
+  when each rank's backward reaches them (a sequence must match only within
+  a group, so they get one of their own).
+* `replicate_group`: the ranks holding the same shard in other replicas
+  (HSDP, MiCS), which all-reduce the reduced gradient shards.
+* `control_group`: gloo, the whole job: agreements (one rank's failure, the
+  step's commit), the walk's markers, DCP's planning in a save or load.
+  Small host tensors, so reading one never waits on an accelerator.
+* `job_group`: the whole job on the device's backend (what must reach every
+  replica, as zero3.Init's broadcast of a new module's values).
+* `checkpoint_group()`: gloo, the whole job, for an async save's writes,
+  which run while training goes on (made at the first async save).
+* `host_shard_group`, `host_replicate_group`: gloo over the shard and the
+  replicate group, for host tensors beside an accelerator (Muon's all-to-all
+  and the replicas' gradient sum under ZeRO-Offload); the groups above where
+  those are gloo already.
+
+The shard and replicate groups are the dimensions of torch's `DeviceMesh`,
+(replicate, shard) as FSDP2's HSDP lays them out: built here by
+`init_device_mesh` with every dimension on a group of its own (a backend
+override; without one, torch hands a dimension that spans the job the
+default group). A mesh the user gives (`zero3.initialize(..., mesh=...)`,
+FSDP2's way: 1-D shards, 2-D is (replicate, shard)) gives the layout; the
+groups are still made here, over the same ranks, so that none is the default
+group and each has the engine's timeout.
+
+The nodes come from torchrun's environment: LOCAL_WORLD_SIZE ranks on each
+node, GROUP_RANK the node's index. Every rank's view is exchanged before
+anything else is made, so a job whose nodes disagree fails on every rank
+with the numbers, before any parameter is partitioned.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from zero3 import accelerator
+from zero3.partition.mesh import ShardMesh
+
+REPLICATE, SHARD = "replicate", "shard"  # the mesh's dimension names, FSDP2's HSDP order
+
+
+class TopologyError(ValueError):
+    """The job's layout (its nodes, a group size from the config, a mesh) cannot be built."""
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The job's nodes as torchrun lays ranks out: node g holds ranks [g*L, (g+1)*L) of L per node."""
+
+    ranks_per_node: int
+    num_nodes: int
+    node_rank: int  # this rank's node (torchrun's GROUP_RANK)
+    local_rank: int  # this rank within its node
+
+    @staticmethod
+    def own_view(rank: int, world_size: int) -> tuple[int, int]:
+        """(ranks per node, node) as this rank's environment tells it: torchrun's LOCAL_WORLD_SIZE and
+        GROUP_RANK; without them (a plain `python train.py`, an MPI launch) the job is one node."""
+        def number(name: str, default: int) -> int:
+            text = os.environ.get(name)
+            if text is None:
+                return default
+            try:
+                return int(text)
+            except ValueError:
+                raise TopologyError(f"{name}={text!r} on rank {rank}: expected a whole number (torchrun sets it)") from None
+
+        return number("LOCAL_WORLD_SIZE", world_size), number("GROUP_RANK", 0)
+
+    @classmethod
+    def agreed(cls, views: list[tuple[int, int]], rank: int) -> NodeLayout:
+        """The layout every rank's view (ranks per node, node), in job-rank order, describes; a
+        `TopologyError` naming the numbers where they do not describe one layout."""
+        world_size = len(views)
+        sizes = sorted({size for size, _ in views})
+        if len(sizes) > 1:
+            by_size = {size: [r for r, (s, _) in enumerate(views) if s == size] for size in sizes}
+            raise TopologyError(
+                "LOCAL_WORLD_SIZE differs between ranks (" + "; ".join(
+                    f"{size} on ranks {_spans(ranks)}" for size, ranks in by_size.items()
+                ) + "): zero3 needs the same number of ranks on every node (torchrun --nproc-per-node)"
+            )
+        per_node = sizes[0]
+        if per_node < 1 or world_size % per_node:
+            raise TopologyError(
+                f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world_size}: expected the same "
+                "number of ranks on every node"
+            )
+        for job_rank, (_, node) in enumerate(views):
+            if node != job_rank // per_node:
+                raise TopologyError(
+                    f"rank {job_rank} says it is on node GROUP_RANK={node}, but with {per_node} ranks per node "
+                    f"it would be on node {job_rank // per_node}: expected each node's ranks to be consecutive "
+                    "(as torchrun numbers them)"
+                )
+        return cls(ranks_per_node=per_node, num_nodes=world_size // per_node, node_rank=rank // per_node,
+                   local_rank=rank % per_node)
+
+
+def _spans(ranks: list[int]) -> str:
+    """Ranks as compact spans: [0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def _backend_options(backend: str, timeout: datetime.timedelta | None) -> tuple[str, object] | str:
+    """A DeviceMesh backend override that gives each dimension a group of its own, with `timeout`."""
+    if timeout is None:
+        return backend
+    options: object
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return backend  # another backend keeps its own default timeout
+    options._timeout = timeout  # type: ignore[attr-defined]
+    return backend, options
+
+
+@dataclass
+class Topology:
+    """This rank's place in the job and the engine's process groups (see the Note)."""
+
+    rank: int
+    world_size: int
+    nodes: NodeLayout
+    device_mesh: DeviceMesh | None  # (replicate, shard); None in a world of one
+    shard: ShardMesh  # the shard and replicate coordinates, with their groups
+    reduce_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None
+    job_group: dist.ProcessGroup | None
+    host_shard_group: dist.ProcessGroup | None
+    host_replicate_group: dist.ProcessGroup | None
+    timeout: datetime.timedelta | None
+    _made: list[dist.ProcessGroup] = field(default_factory=list)  # destroyed by `close`
+    _checkpoint_group: dist.ProcessGroup | None = None
+
+    @property
+    def gather_group(self) -> dist.ProcessGroup | None:
+        return self.shard.shard_group
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return self.shard.replicate_group
+
+    @classmethod
+    def build(cls, device: torch.device, timeout: datetime.timedelta | None = None,
+              mesh: DeviceMesh | None = None, mics_shard_size: int = -1) -> Topology:
+        """The topology of the whole job (collective: every rank calls it at the same point).
+
+        `mesh`: the user's DeviceMesh: 1-D shards over its one dimension, 2-D is (replicate, shard).
+        `mics_shard_size` (the config's): shard groups of that many consecutive ranks, replicas across
+        them (-1: off). Without either, every rank shards (plain ZeRO-3), on groups made here."""
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        if world_size == 1:
+            _shape(mesh, mics_shard_size, world_size)
+            nodes = NodeLayout.agreed([NodeLayout.own_view(rank, world_size)], 0)
+            return cls(rank, 1, nodes, None, ShardMesh.geometry(1), None, None, None, None, None, timeout)
+        made: list[dist.ProcessGroup] = []
+        control = dist.new_group(backend="gloo", timeout=timeout)  # before anything can fail on one rank only
+        made.append(control)
+        try:
+            own: tuple[int, int] = (0, 0)
+            try:
+                own = NodeLayout.own_view(rank, world_size)
+                _shape(mesh, mics_shard_size, world_size)
+                failure = None
+            except TopologyError as error:
+                failure = str(error)
+            seen: list[tuple[tuple[int, int], str | None]] = [(own, None)] * world_size
+            dist.all_gather_object(seen, (own, failure), group=control)
+            failures = sorted({why for _, why in seen if why is not None})
+            if failures:
+                raise TopologyError("; ".join(failures))
+            nodes = NodeLayout.agreed([view for view, _ in seen], rank)
+            backend = accelerator.communication_backend(device)
+            override = _backend_options(backend, timeout)
+            job = dist.new_group(backend=backend, timeout=timeout)
+            made.append(job)
+            shape = _shape(mesh, mics_shard_size, world_size)
+
+            def mesh_of_own_groups(backend_override: tuple[str, object] | str = override) -> DeviceMesh:
+                made_mesh = init_device_mesh(
+                    device.type, shape, mesh_dim_names=(REPLICATE, SHARD),
+                    backend_override={REPLICATE: backend_override, SHARD: backend_override},
+                )
+                made.extend(made_mesh.get_all_groups())
+                return made_mesh
+
+            device_mesh = mesh_of_own_groups()
+            shard = ShardMesh.from_device_mesh(device_mesh)
+            # The reduce-scatters' own groups over the same shard ranks: a second mesh of the same shape
+            # (its replicate groups go unused: the first mesh's carry the replicas' all-reduce).
+            reduce_group = mesh_of_own_groups().get_group(SHARD)
+            host_mesh = device_mesh if backend == "gloo" else mesh_of_own_groups(_backend_options("gloo", timeout))
+            host_shard_group, host_replicate_group = host_mesh.get_group(SHARD), host_mesh.get_group(REPLICATE)
+        except BaseException:
+            for group in made:
+                dist.destroy_process_group(group)
+            raise
+        return cls(rank, world_size, nodes, device_mesh, shard, reduce_group, control, job, host_shard_group,
+                   host_replicate_group, timeout, made)
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A gloo group over the whole job for an async save's writes (made on first use: every rank asks
+        at the same point, as a save does)."""
+        if self.world_size == 1:
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._made.append(self._checkpoint_group)
+        return self._checkpoint_group
+
+    def close(self) -> None:
+        """Destroy every group made here (every rank calls this)."""
+        made, self._made = self._made, []
+        self._checkpoint_group = None
+        if dist.is_initialized():
+            for group in made:
+                dist.destroy_process_group(group)
+
+
+def _check_mesh(mesh: DeviceMesh | None, world_size: int) -> None:
+    if mesh is None:
+        return
+    if not isinstance(mesh, DeviceMesh):
+        raise TopologyError(f"mesh={mesh!r}: expected a torch.distributed.device_mesh.DeviceMesh")
+    if mesh.ndim not in (1, 2):
+        raise TopologyError(
+            f"mesh={mesh}: expected 1 dimension (shard) or 2 (replicate, shard), got {mesh.ndim}"
+        )
+    if mesh.size() != world_size:
+        raise TopologyError(f"mesh={mesh}: it spans {mesh.size()} ranks, the job has {world_size}: expected all")
+    ranks = mesh.mesh.reshape(-1).tolist()
+    if ranks != list(range(world_size)):
+        raise TopologyError(
+            f"mesh={mesh}: its ranks in order are {ranks}; expected 0..{world_size - 1} in order "
+            "(init_device_mesh's layout: each shard group consecutive ranks, replicas across them)"
+        )
+
+
+def _shape(mesh: DeviceMesh | None, mics_shard_size: int, world_size: int) -> tuple[int, int]:
+    """(replicas, shard group size): the user's mesh's, or MiCS's groups, else one replica of the whole
+    job; a `TopologyError` naming the numbers where these cannot be."""
+    _check_mesh(mesh, world_size)
+    if mics_shard_size not in (-1, world_size) and (mics_shard_size < 1 or world_size % mics_shard_size):
+        raise TopologyError(
+            f"zero_optimization.mics_shard_size={mics_shard_size} does not divide the world size {world_size}: "
+            "expected a divisor of it (ranks per shard group), or -1"
+        )
+    shard_size = world_size if mics_shard_size == -1 else mics_shard_size
+    if mesh is None:
+        return world_size // shard_size, shard_size
+    shape = (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
+    if mics_shard_size != -1 and shape[1] != shard_size:
+        raise TopologyError(
+            f"zero_optimization.mics_shard_size={mics_shard_size} beside a mesh whose shard dimension has "
+            f"{shape[1]} ranks: give one of them, or the same size in both"
+        )
+    return shape
