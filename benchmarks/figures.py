@@ -137,6 +137,27 @@ def render_recovery(run: dict[str, Any]) -> str:
     return text + "\n\n" + provenance_line(run)
 
 
+# ---- comm_volume.py -----------------------------------------------------------------------------------------
+
+def render_comm_volume(run: dict[str, Any]) -> str:
+    setup = run["setup"]
+    rows = []
+    for name, row in run["variants"].items():
+        small, big = row["measured_2x2"], row["computed_8x8"]
+        rows.append([name, f"{small['inside_bytes'] / MIB:.2f}", f"{small['across_bytes'] / MIB:.2f}",
+                     f"{big['inside_bytes'] / MIB:.2f}", f"{big['across_bytes'] / MIB:.2f}",
+                     f"**{row['across_8x8_in_M']:.2f}M**", f"{row['across_8x8_vs_plain']:.2f}",
+                     f"{row['median_step_ms']:,.1f}"])
+    plain = run["variants"]["plain ZeRO-3"]
+    paper = ", ".join(f"{name} {value}M" for name, value in run["paper_cross_node_M"].items())
+    return (f"Bytes each rank sends per step, counted at the engine's collectives: 4 ranks as 2 simulated nodes "
+            f"of 2, bf16 GPT {setup['n_layer']} x {setup['n_embd']} (M = {plain['model_16bit_bytes'] / MIB:.1f} MiB "
+            f"of 16-bit weights), {setup['steps']} steps; the same collectives re-laid on 8 nodes of 8.\n\n"
+            + table(["variant", "2x2 inside MiB", "2x2 across MiB", "8x8 inside MiB", "8x8 across MiB",
+                     "8x8 across", "across / plain", "2x2 step ms"], rows)
+            + f"\n\nThe ZeRO++ paper's cross-node volume per step: {paper}.\n\n" + provenance_line(run))
+
+
 # ---- examples/rlhf_colocate.py --------------------------------------------------------------------------------
 
 def rlhf_phases(ranks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -187,7 +208,8 @@ def render_rlhf(run: dict[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
                                                           "checkpoint": render_checkpoint,
-                                                          "recovery": render_recovery, "rlhf": render_rlhf}
+                                                          "recovery": render_recovery, "rlhf": render_rlhf,
+                                                          "comm_volume": render_comm_volume}
 
 
 def kind(name: str) -> str:

@@ -100,7 +100,8 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
                                                      "warmup_type": "linear"}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "mics_shard_size": args.mics},
         "checkpoint": {"dir": args.ckpt, "interval_steps": args.interval, "async_save": args.async_save,
                        "keep_last": 2, "resume": True},
         "steps_per_print": None,
@@ -120,6 +121,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill", action="append", default=[], metavar="ATTEMPT:RANK:STEP:POINT")
+    parser.add_argument("--mics", type=int, default=-1, help="zero_optimization.mics_shard_size")
     return parser.parse_args(argv)
 
 
@@ -145,9 +147,13 @@ def train(argv: list[str]) -> None:
     cfg = config(args)
     warnings = Warnings()
     logging.getLogger("zero3").addHandler(warnings)
-    with zero3.Init(config=cfg):
+    if args.mics == -1:
+        with zero3.Init(config=cfg):
+            model = DropoutLM()
+    else:  # zero3.Init partitions over every rank: MiCS partitions at initialize
         model = DropoutLM()
     engine, *_ = zero3.initialize(model=model, config=cfg)
+    nodes = engine.comm.topology.nodes
     logging.getLogger("zero3").removeHandler(warnings)
     world = engine.world_size
     sampler = GlobalSampler(args.global_batch)
@@ -159,6 +165,8 @@ def train(argv: list[str]) -> None:
     (out / f"attempt{attempt}_r{rank}.json").write_text(json.dumps({
         "resumed_at": resumed_at, "client_state": engine.client_state, "sampler_restored": restored,
         "world": world, "gas": engine.gradient_accumulation_steps(), "warnings": warnings.messages,
+        "nodes": [nodes.num_nodes, nodes.ranks_per_node, nodes.node_rank],
+        "shard": [engine.mesh.shard_size, engine.mesh.replicate_size],
     }))
 
     real_checksums = checkpoint_state.checksums

@@ -201,3 +201,36 @@ def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp
     straight = subprocess.run([*command, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     assert _final_loss(out) == _final_loss(straight.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_train_on_two_nodes_ends_like_one_node_of_the_same_world() -> None:
+    """Two `zero3 train --nnodes 2 --nproc 2 --rdzv-endpoint ...` commands (two nodes on this machine) against one
+    `zero3 train --nproc 4`: the same world, the same batches, the same final loss."""
+    from tests.distributed import free_port
+
+    argv = ["train", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+            "--micro-batch", "2", "--precision", "fp32", "--steps", "6", "--log-every", "6", "--device", "cpu"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-c", "import sys, zero3.cli; sys.exit(zero3.cli.main(sys.argv[1:]))"]
+    nodes = [*argv, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    agents = [subprocess.Popen([*command, *nodes], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=240) for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), outputs
+    printed = [out for out, _ in outputs if "final loss" in out]
+    assert len(printed) == 1  # global rank 0 reports, on its node
+    one_node = subprocess.run([*command, *argv, "--nproc", "4"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=240)
+    assert one_node.returncode == 0, one_node.stdout + one_node.stderr
+    assert _final_loss(printed[0]) == _final_loss(one_node.stdout)
+
+
+def test_train_on_several_nodes_needs_a_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    import zero3.cli
+
+    assert zero3.cli.main(["train", "--nnodes", "2"]) == 2
+    assert "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in capsys.readouterr().err
+    assert zero3.cli.main(["train", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2"]) == 2
+    assert "--node-rank 2: expected 0..1 (--nnodes 2)" in capsys.readouterr().err

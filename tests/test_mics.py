@@ -36,17 +36,30 @@ def config(**zero: object) -> dict:
     }
 
 
-def _train(rank: int, world: int, zero: dict, mesh_shape: tuple[int, int] | None, save_dir: str | None) -> dict:
+def _train(rank: int, world: int, zero: dict, mesh_shape: tuple[int, int] | None, save_dir: str | None,
+           park_at: int | None = None, under_init: bool = False) -> dict:
     os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
     zero3.init_distributed()
     torch.manual_seed(0)
-    model = models.MLP()
-    numels = [p.numel() for p in model.parameters()]
+    numels = [p.numel() for p in models.MLP().parameters()]
+    torch.manual_seed(0)
+    if under_init:  # partitioned over all 4 ranks as it is built; initialize partitions it again in its group
+        with zero3.MiCS_Init(config=config(**zero)):
+            model = models.MLP()
+        assert all(zero3.param_status(p) is zero3.ParamStatus.NOT_AVAILABLE for p in model.parameters())
+    else:
+        model = models.MLP()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
     engine, *_ = zero3.initialize(model=model, config=config(**zero), mesh=mesh)
-    losses = []
+    losses, parked_exactly = [], None
     batches = models.batches("x8", STEPS + 1, MICRO * world)
-    for x, y in batches[:STEPS]:
+    for step, (x, y) in enumerate(batches[:STEPS]):
+        if step == park_at:  # every state off the device and back, between two steps
+            before = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
+            engine.offload_states()
+            engine.reload_states()
+            parked_exactly = all(torch.equal(zero3.safe_get_full_fp32_param(p), before[name])
+                                 for name, p in model.named_parameters())
         loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
         engine.backward(loss)
         engine.step()
@@ -62,7 +75,7 @@ def _train(rank: int, world: int, zero: dict, mesh_shape: tuple[int, int] | None
         dist.all_reduce(next_loss)
         losses.append(next_loss.item() / world)
     params = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
-    result = {"losses": losses, "params": params, "bytes": engine.model_state_bytes(),
+    result = {"losses": losses, "params": params, "parked_exactly": parked_exactly, "bytes": engine.model_state_bytes(),
               "shard": (engine.mesh.shard_size, engine.mesh.replicate_size),
               "numels": numels}
     engine.destroy()
@@ -74,12 +87,13 @@ def plain() -> list[dict]:
     return run_ranks(4, _train, {}, None, None)
 
 
-@pytest.mark.parametrize(("zero", "mesh_shape"), [({"mics_shard_size": 2}, None), ({}, (2, 2))],
-                         ids=["mics_shard_size", "mesh"])
+@pytest.mark.parametrize(("zero", "mesh_shape", "under_init"), [
+    ({"mics_shard_size": 2}, None, False), ({}, (2, 2), False), ({"mics_shard_size": 2}, None, True),
+], ids=["mics_shard_size", "mesh", "MiCS_Init"])
 def test_shard_groups_of_two_train_like_plain_zero3_with_half_the_groups_bytes_doubled(
-    plain: list[dict], zero: dict, mesh_shape: tuple[int, int] | None,
+    plain: list[dict], zero: dict, mesh_shape: tuple[int, int] | None, under_init: bool,
 ) -> None:
-    results = run_ranks(4, _train, zero, mesh_shape, None)
+    results = run_ranks(4, _train, zero, mesh_shape, None, None, under_init)
     for ours, reference in zip(results, plain):
         assert ours["shard"] == (2, 2) and reference["shard"] == (4, 1)
         assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
@@ -99,6 +113,30 @@ def test_shard_groups_of_two_train_like_plain_zero3_with_half_the_groups_bytes_d
     replicas = [results[0]["params"], results[2]["params"]]  # shard rank 0 of each replica
     for name in replicas[0]:
         assert torch.equal(replicas[0][name], replicas[1][name])  # the replicas stayed identical
+
+
+TIERS = {
+    "offload_optimizer cpu": lambda tmp: {"offload_optimizer": {"device": "cpu"}},
+    "optimizer and params on nvme": lambda tmp: {
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp / "nvme")},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp / "nvme")},
+    },
+}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_mics_with_each_tier_trains_like_plain_zero3_and_parks_every_state_exactly(tier: str, tmp_path: Path) -> None:
+    """DeepSpeed refuses MiCS with CPU offload ("Local sharding has no support for CPU offloading")."""
+    (tmp_path / "nvme").mkdir()
+    zero = TIERS[tier](tmp_path)
+    plain_run = run_ranks(4, _train, zero, None, None, 2)
+    mics_run = run_ranks(4, _train, {**zero, "mics_shard_size": 2}, None, None, 2)
+    for ours, reference in zip(mics_run, plain_run):
+        assert ours["shard"] == (2, 2)
+        assert ours["parked_exactly"] is True and reference["parked_exactly"] is True
+        assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, rtol=1e-5, atol=1e-7)
 
 
 def _resume_without_mics(rank: int, world: int, save_dir: str) -> dict:

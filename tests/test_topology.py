@@ -188,3 +188,45 @@ def test_no_engine_collective_runs_on_the_default_group(tmp_path) -> None:  # ty
     the engine issues names a group of its own (with the gathers on the default group, a model's own
     collective there could pair with another rank's prefetch)."""
     assert run_ranks(2, _record_default_group_uses, str(tmp_path)) == [[], []]
+
+
+# ---- a real multi-node launch: two torchrun agents on this machine -----------------------------------
+@pytest.mark.timeout(300)
+def test_two_torchrun_agents_as_two_nodes_train_like_one_agent_of_four(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d` twice (a c10d rendezvous on 127.0.0.1), MiCS
+    groups of a node each, against one agent of 4 ranks: the same losses and final weights, bit for bit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.distributed import free_port, script_env
+
+    repo = Path(__file__).resolve().parent.parent
+    job = [str(repo / "tests" / "restart_job.py")]
+    env = script_env(str(repo), GLOO_SOCKET_IFNAME="lo")
+    runs = {}
+    for name, agents in (("two agents", 2), ("one agent", 1)):
+        out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
+        out.mkdir(parents=True)
+        if agents == 2:
+            launch = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes"]
+        else:
+            launch = ["--standalone", "--nproc-per-node", "4"]
+        command = [sys.executable, "-m", "torch.distributed.run", *launch, *job, str(out), "--ckpt", str(ckpt),
+                   "--steps", "4", "--mics", "2"]
+        agents_run = [subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True) for _ in range(agents)]
+        logs = [agent.communicate(timeout=240)[0] for agent in agents_run]
+        assert all(agent.returncode == 0 for agent in agents_run), logs[0][-4000:]
+        started = [json.loads((out / f"attempt0_r{rank}.json").read_text()) for rank in range(4)]
+        losses = [(out / f"loss_{step}_r{rank}.txt").read_text() for step in range(1, 5) for rank in range(4)]
+        runs[name] = (started, losses, torch.load(out / "final.pt"))
+    two, one = runs["two agents"], runs["one agent"]
+    assert [s["nodes"] for s in two[0]] == [[2, 2, 0], [2, 2, 0], [2, 2, 1], [2, 2, 1]]
+    assert [s["nodes"] for s in one[0]] == [[1, 4, 0]] * 4
+    assert all(s["shard"] == [2, 2] for s in two[0] + one[0])
+    assert two[1] == one[1]
+    for name, value in one[2].items():
+        assert torch.equal(two[2][name], value), name

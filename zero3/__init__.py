@@ -29,7 +29,7 @@ from zero3.offload.tiers import TierConfigError
 from zero3.partition.flat_buffer import StateOffloadedError
 from zero3.partition.external import register_external_parameter, unregister_external_parameter
 from zero3.partition.gathered import GatheredParameters, unwrap_model_for_generation
-from zero3.partition.init_context import Init
+from zero3.partition.init_context import Init, MiCS_Init
 from zero3.partition.leaf_modules import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
@@ -51,6 +51,7 @@ __all__ = [
     "ConfigError",
     "GatheredParameters",
     "Init",
+    "MiCS_Init",
     "OffloadIOError",
     "OffloadDevice",
     "OffloadStateType",

@@ -101,7 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run = train.add_argument_group("run")
     run.add_argument("--nproc", type=positive_int, default=2, metavar="N",
-                     help="number of local ranks (worker processes) to launch")
+                     help="number of local ranks (worker processes) to launch on this node")
+    nodes = train.add_argument_group(
+        "several nodes", "run the same command on every node (torchrun's options of the same names)")
+    nodes.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                       help="nodes in the job, each running --nproc ranks")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where the nodes meet: a c10d rendezvous hosted by the first node to arrive "
+                       "(needed with --nnodes above 1)")
+    nodes.add_argument("--rdzv-id", default="zero3-train", metavar="ID",
+                       help="the job's name at the rendezvous (the same on every node)")
+    nodes.add_argument("--node-rank", type=non_negative_int, default=None, metavar="R",
+                       help="this node's index, for a static rendezvous at --rdzv-endpoint (rank 0's node "
+                       "hosts it); without it the c10d rendezvous numbers the nodes")
     run.add_argument("--steps", type=positive_int, default=200,
                      help="optimizer steps to train")
     run.add_argument("--micro-batch", type=positive_int, default=8,
@@ -465,9 +477,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cfg = merge_user_config(cfg, _read_json_object(args.config))
         # Validate here, once, so a bad option fails before N processes start.
         parsed = load_config(cfg)
-        batch = parsed.resolve_batch(args.nproc)
+        batch = parsed.resolve_batch(args.nproc * args.nnodes)
         if args.save_dir is None and (args.save_every is not None or args.resume or args.max_restarts):
             raise ValueError("--save-every, --resume and --max-restarts need --save-dir DIR")
+        if args.nnodes > 1 and args.rdzv_endpoint is None:
+            raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, where the nodes meet")
+        if args.node_rank is not None and args.node_rank >= args.nnodes:
+            raise ValueError(f"--node-rank {args.node_rank}: expected 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     except (ValueError, ConfigError) as exc:
         # Plain print, here and below: rich would re-wrap messages and file paths.
         print(f"zero3 train: {exc}", file=sys.stderr)
@@ -488,10 +504,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         max_restarts=args.max_restarts,
     )
-    return _launch(job, args.nproc)
+    return _launch(job, args.nproc, Rendezvous(args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.node_rank))
 
 
-def _launch(job: TrainJob, nproc: int) -> int:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the job's nodes meet (torchrun's --nnodes, --rdzv-endpoint, --rdzv-id, --node-rank)."""
+
+    nnodes: int = 1
+    endpoint: str | None = None  # None: this node alone, on a free local port
+    run_id: str = "zero3-train"
+    node_rank: int | None = None  # given: a static rendezvous (rank 0's node hosts the store)
+
+    def launch_options(self) -> dict[str, Any]:
+        if self.endpoint is None:
+            return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0",  # the c10d store picks a free port
+                    "run_id": f"zero3-train-{uuid.uuid4().hex[:8]}"}
+        if self.node_rank is not None:
+            return {"rdzv_backend": "static", "rdzv_endpoint": self.endpoint, "run_id": self.run_id,
+                    "rdzv_configs": {"rank": self.node_rank}}
+        return {"rdzv_backend": "c10d", "rdzv_endpoint": self.endpoint, "run_id": self.run_id}
+
+
+def _launch(job: TrainJob, nproc: int, rendezvous: Rendezvous = Rendezvous()) -> int:
     # Imported here: the elastic machinery is only needed by the launching process.
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -499,12 +534,10 @@ def _launch(job: TrainJob, nproc: int) -> int:
 
     log_dir = tempfile.mkdtemp(prefix="zero3-train-")
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=rendezvous.nnodes,
+        max_nodes=rendezvous.nnodes,
         nproc_per_node=nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # the c10d store picks a free port
-        run_id=f"zero3-train-{uuid.uuid4().hex[:8]}",
+        **rendezvous.launch_options(),
         max_restarts=job.max_restarts,
         monitor_interval=0.2,
         # Only rank 0 talks to the terminal; the others' output goes to files that

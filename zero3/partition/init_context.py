@@ -354,3 +354,15 @@ class Init:
             del nn.Module.__init_subclass__
         else:
             nn.Module.__init_subclass__ = self._orig_init_subclass  # type: ignore[assignment]
+
+
+class MiCS_Init(Init):  # noqa: N801 - DeepSpeed's name
+    """DeepSpeed's `deepspeed.zero.MiCS_Init`: `zero3.Init` for a model trained with MiCS
+    (`zero_optimization.mics_shard_size`).
+
+    The same arguments as `Init` (DeepSpeed's `sequence_data_parallel_group` and `mpu` are refused, as
+    there). Construction partitions over every rank, as `Init` does (a smaller share per rank than
+    DeepSpeed's, which partitions within the shard group at once); `zero3.initialize` then gathers each
+    parameter whole and partitions it within its MiCS shard group, one module at a time. With no
+    `mics_shard_size` in the config this is `Init`.
+    """

@@ -39,7 +39,8 @@ from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.leaf_modules import apply_leaf_module_config, set_leaves_by_granularity
 from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
-from zero3.partition.unit import GatherUnit, Hold, UnitState
+from zero3.partition.init_context import gather_full_fp32
+from zero3.partition.unit import GatherUnit, Hold, UnitState, unit_of
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
@@ -268,18 +269,12 @@ def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None,
 
 
 def partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
-    """Partition what zero3.Init did not, move buffers, and name every parameter."""
-    for name, param in model.named_parameters():
-        sp = sharded(param)
-        if sp is not None and sp.mesh.shard_size != gather.mesh.shard_size:
-            raise ValueError(
-                f"parameter {name} was partitioned by zero3.Init over {sp.mesh.shard_size} ranks, but the engine "
-                f"shards over groups of {gather.mesh.shard_size} (zero_optimization.mics_shard_size, or the mesh "
-                "given to zero3.initialize): build the model without zero3.Init (zero3.Init over a smaller "
-                "shard group is not offered yet)"
-            )
+    """Partition what zero3.Init did not, move buffers, and name every parameter. A parameter zero3.Init (or
+    zero3.MiCS_Init) partitioned over another number of ranks than the engine's shard group (MiCS, a mesh)
+    is gathered whole and partitioned again, one module at a time (so no more than a module is whole)."""
     partitioner = Partitioner(gather, device, dtype)
     for name, module in model.named_modules():
+        _unpartition_other_layout(module, gather, device)
         partitioner.partition_module(module, name)
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != device:
@@ -293,6 +288,23 @@ def partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype
                 f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
                 f"computes in {dtype} on {device}: pass the same config to zero3.Init"
             )
+
+
+def _unpartition_other_layout(module: nn.Module, gather: ParamGather, device: torch.device) -> None:
+    """`module`'s own parameters that zero3.Init sharded over another shard group than the engine's, made
+    whole again (collective, over the group they were sharded on, in module order on every rank)."""
+    pending = [(param, sp) for param in module._parameters.values()
+               if param is not None and (sp := sharded(param)) is not None and sp.mesh.shard_size != gather.mesh.shard_size]
+    if not pending:
+        return
+    fulls = [gather_full_fp32(sp, ParamGather(sp.mesh, Communicator()), device) for _, sp in pending]
+    units = {id(unit): unit for _, sp in pending if (unit := unit_of(sp)) is not None}
+    for unit in units.values():
+        unit.close()  # zero3.Init's unit: it let go of these parameters, so the engine's layout takes them
+    for (param, _), full in zip(pending, fulls):
+        delattr(param, ATTR)
+        with torch.no_grad():
+            param.data = full
 
 
 def optimizer_groups(
