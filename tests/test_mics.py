@@ -190,3 +190,15 @@ def test_the_estimate_refuses_a_shard_size_that_does_not_divide_the_world() -> N
         meta = models.MLP()
     with pytest.raises(ValueError, match="mics_shard_size=3 does not divide the world size 4"):
         estimate(model=meta, ranks_per_node=2, nodes=2, settings=EstimateSettings(mics_shard_size=3))
+
+
+def test_ranks_on_different_routes_under_mics_train_like_one_process() -> None:
+    """Each rank routes its batch through its own experts (tests/test_divergent.py's model), in 2 MiCS groups."""
+    from tests.test_divergent import reference, train_routed
+
+    ref_losses, ref_params = reference(4)
+    for result in run_ranks(4, train_routed, {"mics_shard_size": 2}):
+        for ours, ref in zip(result["losses"], ref_losses):
+            assert abs(ours - ref) <= 1e-5 * max(1.0, abs(ref)), (result["losses"], ref_losses)
+        for name, ref in ref_params.items():
+            assert torch.allclose(result["params"][name], ref, rtol=1e-4, atol=1e-6), name

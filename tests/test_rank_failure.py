@@ -24,13 +24,14 @@ FAULTS = {
 }
 
 
-def run(rank: int, world: int, fault: str | None, where: str = "forward") -> dict:
+def run(rank: int, world: int, fault: str | None, where: str = "forward", zero: dict | None = None) -> dict:
     """Train STEPS batches with the README's pattern; with `fault`, the failing rank raises it in `where`
     (fc2's forward, or its backward) on BAD_STEP; without, every rank skips BAD_STEP's batch (the
     reference)."""
     torch.manual_seed(0)
     model = models.MLP()
-    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], **(zero or {})}}
+    engine = zero3.initialize(model=model, config=config)[0]
     inject = [False]
 
     def maybe_fail(*_: object) -> None:
@@ -62,10 +63,10 @@ def run(rank: int, world: int, fault: str | None, where: str = "forward") -> dic
     return {"seen": seen, "full": full}
 
 
-def faulted_and_reference(rank: int, world: int, faults: list[tuple[str, str]]) -> dict:
+def faulted_and_reference(rank: int, world: int, faults: list[tuple[str, str]], zero: dict | None = None) -> dict:
     return {
-        "faulted": {f"{where} {fault}": run(rank, world, fault, where) for where, fault in faults},
-        "reference": run(rank, world, None),
+        "faulted": {f"{where} {fault}": run(rank, world, fault, where, zero) for where, fault in faults},
+        "reference": run(rank, world, None, zero=zero),
     }
 
 
@@ -89,6 +90,15 @@ def test_a_forward_or_backward_failure_on_one_rank_is_every_ranks(world: int) ->
     if world == 3:
         faults = [("forward", "OutOfMemoryError"), ("backward", "IndexError")]
     results = run_ranks(world, faulted_and_reference, faults)
+    for where, fault in faults:
+        check_every_rank_raised(results, where, fault)
+
+
+@pytest.mark.timeout(300)
+def test_one_ranks_failure_reaches_every_rank_of_every_mics_replica() -> None:
+    """4 ranks in 2 MiCS groups of 2: rank 1's failure is raised on its own group and on the other replica."""
+    faults = [("forward", "IndexError"), ("backward", "OutOfMemoryError")]
+    results = run_ranks(4, faulted_and_reference, faults, {"mics_shard_size": 2})
     for where, fault in faults:
         check_every_rank_raised(results, where, fault)
 
