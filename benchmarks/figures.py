@@ -253,6 +253,10 @@ def headline(measured: Figures) -> str:
         lambda run: f"{step_ratio(run, 'zero3-ckpt', 'zero3'):.2f}x the step without (goal 1.05x)")
     add("checkpoint load vs plain `torch.load`", "checkpoint_cpu",
         lambda run: f"{run['load_time_ratio']['of_medians']:.2f}x its speed (goal 0.8x)")
+    add("cross-node bytes per step, 8 nodes x 8, MiCS per node", "comm_volume_cpu",
+        lambda run: f"{run['variants']['MiCS, a shard group per node']['across_8x8_vs_plain']:.2f}x plain ZeRO-3's "
+                    f"({run['variants']['MiCS, a shard group per node']['across_8x8_in_M']:.2f}M against "
+                    f"{run['variants']['plain ZeRO-3']['across_8x8_in_M']:.2f}M)")
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")
