@@ -42,7 +42,7 @@ from zero3.config import ZeroConfig, Zero3Config
 from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count

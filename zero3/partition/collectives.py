@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 
 
 class ShardCodec(Protocol):

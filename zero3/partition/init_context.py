@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
 from zero3.partition.collectives import ParamGather
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 from zero3.partition.partitioner import Partitioner
 from zero3.partition.sharded_param import ShardedParam
 

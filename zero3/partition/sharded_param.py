@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zero3.partition.flat_buffer import Slot
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 
 ATTR = "_zero3"
 

@@ -61,7 +61,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zero3.comm import Communicator
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount

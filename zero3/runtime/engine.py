@@ -26,7 +26,7 @@ from zero3.config import Zero3Config
 from zero3.offload.tiers import check_tiers
 from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
-from zero3.partition.mesh import ShardMesh
+from zero3.topology import ShardMesh
 from zero3.partition.unit import GatherUnit
 from zero3.rank_failure import agreed
 from zero3.runtime.build import build
@@ -63,9 +63,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.mesh = mesh
         self.gather = ParamGather(mesh, comm)
         self.device = device
-        # The rank in the whole job, read from the default group, not the mesh (zero3.partition.mesh's
-        # docstring): rank 0 logs, and the disk directory, the data sampler and a checkpoint's rank state
-        # are per job rank. The mesh spans the whole job today, so the two agree.
+        # The rank in the whole job, not in the shard group: rank 0 logs, and the disk directory, the data
+        # sampler and a checkpoint's rank state are per job rank. The mesh's shard groups times its replicas
+        # are the whole job (zero3.topology), so its world size is the job's.
         self.global_rank = dist.get_rank()
         self.world_size = mesh.world_size
         self.batch = config.resolve_batch(mesh.world_size)
