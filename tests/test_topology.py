@@ -65,7 +65,8 @@ def _groups(rank: int, world: int, mesh_shape: tuple[int, ...] | None) -> dict:
     topology = engine.comm.topology
     default = dist.distributed_c10d._get_default_group()
     groups = {
-        "gather": topology.gather_group, "reduce": topology.reduce_group, "replicate": topology.replicate_group,
+        "gather": topology.gather_group, "reduce": topology.reduce_group,
+        **({"replicate": topology.replicate_group} if engine.mesh.replicate_size > 1 else {}),
         "control": topology.control_group, "job": topology.job_group, "checkpoint": topology.checkpoint_group(),
         "host_shard": topology.host_shard_group,
     }
@@ -93,7 +94,10 @@ def test_every_engine_group_is_its_own_and_none_is_the_default_group(mesh_shape:
         assert r["shard"] == (shard_size, shard_rank, replicas, replica)
         shard_ranks = list(range(replica * shard_size, (replica + 1) * shard_size))
         assert r["ranks"]["gather"] == r["ranks"]["reduce"] == r["ranks"]["host_shard"] == shard_ranks
-        assert r["ranks"]["replicate"] == list(range(shard_rank, 4, shard_size))
+        if replicas > 1:
+            assert r["ranks"]["replicate"] == list(range(shard_rank, 4, shard_size))
+        else:
+            assert r["shard"][2] == 1  # one replica: no replicate group (nothing to sum across)
         assert r["ranks"]["control"] == r["ranks"]["job"] == r["ranks"]["checkpoint"] == [0, 1, 2, 3]
         assert r["backends"]["control"] == r["backends"]["checkpoint"] == "gloo"
 

@@ -225,7 +225,7 @@ class Topology:
     rank: int
     world_size: int
     nodes: NodeLayout
-    device_mesh: DeviceMesh | None  # (replicate, shard); None in a world of one
+    device_mesh: DeviceMesh | None  # (replicate, shard), or (shard,) with one replica; None in a world of one
     shard: ShardMesh  # the shard and replicate coordinates, with their groups
     reduce_group: dist.ProcessGroup | None
     control_group: dist.ProcessGroup | None
@@ -281,7 +281,11 @@ class Topology:
             shape = _shape(mesh, mics_shard_size, world_size)
 
             def mesh_of_own_groups(backend_override: tuple[str, object] | str = override) -> DeviceMesh:
+                # One replica: a 1-D mesh (a 2-D one would make a group of one per rank, each a collective call).
+                replicas, shard_size = shape
                 made_mesh = init_device_mesh(
+                    device.type, (shard_size,), mesh_dim_names=(SHARD,), backend_override={SHARD: backend_override},
+                ) if replicas == 1 else init_device_mesh(
                     device.type, shape, mesh_dim_names=(REPLICATE, SHARD),
                     backend_override={REPLICATE: backend_override, SHARD: backend_override},
                 )
@@ -294,7 +298,8 @@ class Topology:
             # (its replicate groups go unused: the first mesh's carry the replicas' all-reduce).
             reduce_group = mesh_of_own_groups().get_group(SHARD)
             host_mesh = device_mesh if backend == "gloo" else mesh_of_own_groups(_backend_options("gloo", timeout))
-            host_shard_group, host_replicate_group = host_mesh.get_group(SHARD), host_mesh.get_group(REPLICATE)
+            host_shard_group = host_mesh.get_group(SHARD)
+            host_replicate_group = host_mesh.get_group(REPLICATE) if host_mesh.ndim == 2 else None
         except BaseException:
             for group in made:
                 dist.destroy_process_group(group)
