@@ -43,6 +43,7 @@ from zero3.partition.leaf_modules import (
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.initialize import initialize
 from zero3.rank_failure import RankFailedError
+from zero3.topology import TopologyError
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "MiCS_Init",
+    "TopologyError",
     "OffloadIOError",
     "OffloadDevice",
     "OffloadStateType",
