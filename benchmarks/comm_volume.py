@@ -116,10 +116,10 @@ def _record(collectives: list[Collective], recording: list[bool]) -> None:
             collectives.append(Collective("all_reduce", "replicate", size(tensor), per_shard=True))
         return originals["all_reduce_replicas"](self, tensor)
 
-    def all_reduce_sum(self, tensor, group=None):  # type: ignore[no-untyped-def]
+    def all_reduce_sum(self, tensor):  # type: ignore[no-untyped-def]
         if recording[0] and not self.alone:
             collectives.append(Collective("all_reduce", "shard", size(tensor)))
-        return originals["all_reduce_sum"](self, tensor, group)
+        return originals["all_reduce_sum"](self, tensor)
 
     Communicator.all_gather_flat = all_gather_flat  # type: ignore[method-assign]
     Communicator.reduce_scatter_flat = reduce_scatter_flat  # type: ignore[method-assign]

@@ -366,12 +366,11 @@ class Communicator:
         out, inp = self._hand_over(output.view(-1), values)
         return output, self._started(_all_gather_flat(out, inp, group=self.control_group, async_op=True), True)
 
-    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """Sum over the shard group (or over `group`, e.g. a mesh's replicate group)."""
-        group = group if group is not None else self.group
-        if dist.get_world_size(group) > 1:
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the shard group (the replicas' sum is `all_reduce_replicas`)."""
+        if self._size > 1:
             (alias,) = self._hand_over(tensor)
-            self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=group, async_op=True), False)
+            self._started(dist.all_reduce(alias, op=dist.ReduceOp.SUM, group=self.group, async_op=True), False)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -42,7 +42,7 @@ from zero3.config import ZeroConfig, Zero3Config
 from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.topology import ShardMesh
+from zero3.topology import ShardMesh, mics_group_size
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -112,16 +112,8 @@ class EstimateSettings:
             raise ValueError(f"mics_shard_size {size!r}: expected -1 (every rank) or a positive number of ranks")
 
     def shard_group_size(self, world_size: int) -> int:
-        """The ranks a state is sharded over at `world_size` (zero3.topology's rule, and its error)."""
-        size = self.mics_shard_size
-        if size == -1:
-            return world_size
-        if world_size % size:
-            raise ValueError(
-                f"zero_optimization.mics_shard_size={size} does not divide the world size {world_size}: expected "
-                "a divisor of it (ranks per shard group), or -1"
-            )
-        return size
+        """The ranks a state is sharded over at `world_size` (the engine's rule, and its error)."""
+        return mics_group_size(self.mics_shard_size, world_size)
 
     @classmethod
     def from_config(cls, config: Zero3Config, accelerator: str = "cuda") -> "EstimateSettings":

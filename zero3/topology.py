@@ -5,7 +5,10 @@ Every engine collective runs on a group made here, in one place, and none on
 the default group. A model's own collective on the default group (expert- or
 tensor-parallel code in its forward) would otherwise pair with another rank's
 parameter gather whenever the ranks take different routes through the model,
-and both would wait forever. The groups:
+and both would wait forever. (Separate groups keep each sequence paired; they
+do not let a rank blocked in the model's own collective issue a gather
+another rank waits on: zero3.runtime.gather_walk's [Note: lockstep gathers]
+says what a model's collectives must do.) The groups:
 
 * `gather_group`: the shard group's parameter all-gathers, issued in the
   lockstep walk's order (zero3.runtime.gather_walk); the step's norm sum too.
@@ -61,6 +64,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zero3 import accelerator
+
 
 @dataclass(frozen=True)
 class ShardMesh:
@@ -254,7 +258,7 @@ class Topology:
         them (-1: off). Without either, every rank shards (plain ZeRO-3), on groups made here."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         if world_size == 1:
-            _shape(mesh, mics_shard_size, world_size)
+            _shape(mesh, mics_shard_size, world_size)  # a bad mesh or size is an error at any world size
             nodes = NodeLayout.agreed([NodeLayout.own_view(rank, world_size)], 0)
             return cls(rank, 1, nodes, None, ShardMesh.geometry(1), None, None, None, None, None, timeout)
         made: list[dist.ProcessGroup] = []
@@ -262,9 +266,10 @@ class Topology:
         made.append(control)
         try:
             own: tuple[int, int] = (0, 0)
+            shape = (1, world_size)
             try:
                 own = NodeLayout.own_view(rank, world_size)
-                _shape(mesh, mics_shard_size, world_size)
+                shape = _shape(mesh, mics_shard_size, world_size)
                 failure = None
             except TopologyError as error:
                 failure = str(error)
@@ -278,7 +283,6 @@ class Topology:
             override = _backend_options(backend, timeout)
             job = dist.new_group(backend=backend, timeout=timeout)
             made.append(job)
-            shape = _shape(mesh, mics_shard_size, world_size)
 
             def mesh_of_own_groups(backend_override: tuple[str, object] | str = override) -> DeviceMesh:
                 # One replica: a 1-D mesh (a 2-D one would make a group of one per rank, each a collective call).
@@ -345,16 +349,24 @@ def _check_mesh(mesh: DeviceMesh | None, world_size: int) -> None:
         )
 
 
-def _shape(mesh: DeviceMesh | None, mics_shard_size: int, world_size: int) -> tuple[int, int]:
-    """(replicas, shard group size): the user's mesh's, or MiCS's groups, else one replica of the whole
-    job; a `TopologyError` naming the numbers where these cannot be."""
-    _check_mesh(mesh, world_size)
-    if mics_shard_size not in (-1, world_size) and (mics_shard_size < 1 or world_size % mics_shard_size):
+def mics_group_size(mics_shard_size: int, world_size: int) -> int:
+    """The ranks each state is sharded over at `world_size` (`zero_optimization.mics_shard_size`, -1: every
+    rank); a `TopologyError` naming both numbers where the size does not divide the world."""
+    if mics_shard_size == -1:
+        return world_size
+    if mics_shard_size < 1 or world_size % mics_shard_size:
         raise TopologyError(
             f"zero_optimization.mics_shard_size={mics_shard_size} does not divide the world size {world_size}: "
             "expected a divisor of it (ranks per shard group), or -1"
         )
-    shard_size = world_size if mics_shard_size == -1 else mics_shard_size
+    return mics_shard_size
+
+
+def _shape(mesh: DeviceMesh | None, mics_shard_size: int, world_size: int) -> tuple[int, int]:
+    """(replicas, shard group size): the user's mesh's, or MiCS's groups, else one replica of the whole
+    job; a `TopologyError` naming the numbers where these cannot be."""
+    _check_mesh(mesh, world_size)
+    shard_size = mics_group_size(mics_shard_size, world_size)
     if mesh is None:
         return world_size // shard_size, shard_size
     shape = (1, mesh.size()) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
