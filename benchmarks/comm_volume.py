@@ -7,14 +7,17 @@ warmup step, and count every collective the engine issues, at the engine's `Comm
 the bytes of the whole tensor, and the ranks of its group. Per collective, each rank's sent bytes are
 split by destination (a peer on its own node, or on another):
 
-* all-gather, reduce-scatter of N bytes over g ranks: the rank sends N/g to each of the g - 1 others;
+* all-gather, reduce-scatter of N bytes over g ranks: the rank sends N/g to each of the g - 1 others
+  (an all-gather's N is the gathered wire buffer: int8 blocks and their scales under qwZ);
+* all-to-all of the N bytes this rank sends (qgZ): N/g to each of the g - 1 others;
 * all-reduce: a reduce-scatter then an all-gather, twice that.
 
 (The volume an exchange's algorithm must move; a ring or tree moves the same total, routed differently.)
 The same count, with the same collectives re-laid on 8 nodes of 8 (each group by its role: the shard
 group, the replicas, the whole job), gives the 64-rank figures. Variants: plain ZeRO-3 (one shard group
-of every rank) and MiCS with a shard group per node (`mics_shard_size` = ranks per node). hpZ and ZeRO++'s
-quantized collectives are not offered yet: their rows give the ZeRO++ paper's analytic volumes only.
+of every rank), MiCS with a shard group per node (`mics_shard_size` = ranks per node), hpZ with a
+secondary group per node (`zero_hpz_partition_size` = ranks per node: the backward gathers on the node),
+and all three ZeRO++ parts (hpZ, qwZ's int8 weight gathers, qgZ's int4 all-to-all gradient reduction).
 M is the model's 16-bit bytes; the paper counts ZeRO-3's cross-node volume per step as 3M (two weight
 all-gathers and one gradient reduce-scatter), hpZ's as 2M, all three ZeRO++ parts' as 0.75M.
 Also the median step time of each variant at 2 x 2 here.
@@ -45,16 +48,28 @@ _DEFAULT_OUT = _REPO / "benchmarks" / "results" / "comm_volume.json"
 MIB = 2**20
 RANKS_PER_NODE, NODES = 2, 2
 BIG_RANKS_PER_NODE, BIG_NODES = 8, 8
-VARIANTS = {"plain ZeRO-3": {}, "MiCS, a shard group per node": {"mics_shard_size": RANKS_PER_NODE}}
-PAPER_CROSS_NODE_M = {"plain ZeRO-3": 3.0, "hpZ (not offered yet)": 2.0, "hpZ + qwZ + qgZ (not offered yet)": 0.75}
+# Each variant's keys at 2 x 2, and at 8 x 8 (where a node is 8 ranks).
+VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "plain ZeRO-3": ({}, {}),
+    "MiCS, a shard group per node": ({"mics_shard_size": RANKS_PER_NODE}, {"mics_shard_size": BIG_RANKS_PER_NODE}),
+    "hpZ, a secondary group per node": ({"zero_hpz_partition_size": RANKS_PER_NODE},
+                                        {"zero_hpz_partition_size": BIG_RANKS_PER_NODE}),
+    "hpZ + qwZ + qgZ (ZeRO++)": (
+        {"zero_hpz_partition_size": RANKS_PER_NODE, "zero_quantized_weights": True, "zero_quantized_gradients": True},
+        {"zero_hpz_partition_size": BIG_RANKS_PER_NODE, "zero_quantized_weights": True,
+         "zero_quantized_gradients": True}),
+}
+PAPER_CROSS_NODE_M = {"plain ZeRO-3": 3.0, "hpZ": 2.0, "hpZ + qwZ + qgZ": 0.75}
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all_gather | reduce_scatter | all_reduce
-    role: str  # shard | replicate | job: the group, by what it is to the engine
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    role: str  # shard | replicate | secondary | grads_inside | grads_across | job: the group, by its use
     nbytes: int  # the whole tensor (the gathered output, the reduced input, the summed tensor)
     per_shard: bool = False  # a tensor of this rank's shard (the replicas' gradient sum): 1/shard group size
+    # qgZ's step across sends this rank's node-summed part of a bucket: 1/(the shard group's ranks per node)
+    per_node: bool = False
 
 
 def sent_bytes(kind: str, nbytes: float, group: list[int], rank: int, ranks_per_node: int) -> tuple[float, float]:
@@ -68,24 +83,42 @@ def sent_bytes(kind: str, nbytes: float, group: list[int], rank: int, ranks_per_
     return per_peer * same, per_peer * (g - 1 - same)
 
 
-def group_of(role: str, rank: int, world: int, shard_size: int) -> list[int]:
-    """The ranks of `rank`'s group of a role, in the engine's layout (shard groups of consecutive ranks)."""
-    if role == "shard":
+def group_of(role: str, rank: int, world: int, shard_size: int, secondary_size: int = 1,
+             ranks_per_node: int = 1) -> list[int]:
+    """The ranks of `rank`'s group of a role, in the engine's layout (shard groups, and hpZ's secondary
+    groups, of consecutive ranks; qgZ's groups cut the shard group by node: zero3.topology)."""
+    if role in ("grads_inside", "grads_across"):
+        from zero3.topology import qgz_inside_size
+
+        inside = qgz_inside_size(shard_size, ranks_per_node)
         start = rank // shard_size * shard_size
-        return list(range(start, start + shard_size))
+        if role == "grads_inside":
+            first = rank // inside * inside
+            return list(range(first, first + inside))
+        return list(range(start + (rank - start) % inside, start + shard_size, inside))
+    if role in ("shard", "secondary"):
+        size = shard_size if role == "shard" else secondary_size
+        start = rank // size * size
+        return list(range(start, start + size))
     if role == "replicate":
         return list(range(rank % shard_size, world, shard_size))
     return list(range(world))
 
 
 def volumes(collectives: list[Collective], world: int, ranks_per_node: int, shard_size: int,
-            recorded_shard_size: int) -> dict[str, float]:
+            recorded_shard_size: int, secondary_size: int = 1, recorded_inside: int = 1) -> dict[str, float]:
     """Rank 0's bytes sent per step inside and across nodes (the mean over ranks is the same here), the
-    collectives recorded at `recorded_shard_size` re-laid on `world` ranks in shard groups of `shard_size`."""
+    collectives recorded at `recorded_shard_size` re-laid on `world` ranks in shard groups of `shard_size`
+    (and hpZ's secondary groups of `secondary_size`; qgZ's were `recorded_inside` ranks per node)."""
+    from zero3.topology import qgz_inside_size
+
     inside = across = 0.0
     for c in collectives:
         nbytes = c.nbytes * recorded_shard_size / shard_size if c.per_shard else c.nbytes
-        a, b = sent_bytes(c.kind, nbytes, group_of(c.role, 0, world, shard_size), 0, ranks_per_node)
+        if c.per_node:
+            nbytes = nbytes * recorded_inside / qgz_inside_size(shard_size, ranks_per_node)
+        group = group_of(c.role, 0, world, shard_size, secondary_size, ranks_per_node)
+        a, b = sent_bytes(c.kind, nbytes, group, 0, ranks_per_node)
         inside, across = inside + a, across + b
     return {"inside_bytes": inside, "across_bytes": across}
 
@@ -98,13 +131,25 @@ def _record(collectives: list[Collective], recording: list[bool]) -> None:
     def size(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
-    originals = {name: getattr(Communicator, name) for name in ("all_gather_flat", "reduce_scatter_flat",
-                                                                 "all_reduce_replicas", "all_reduce_sum")}
+    originals = {name: getattr(Communicator, name) for name in ("all_gather_flat", "all_gather_secondary",
+                                                                 "reduce_scatter_flat", "all_reduce_replicas",
+                                                                 "all_reduce_sum", "all_to_all_grads")}
 
     def all_gather_flat(self, output, shard, async_op=False):  # type: ignore[no-untyped-def]
         if recording[0] and not self.alone:
             collectives.append(Collective("all_gather", "shard", size(output)))
         return originals["all_gather_flat"](self, output, shard, async_op)
+
+    def all_gather_secondary(self, output, shard, async_op=False):  # type: ignore[no-untyped-def]
+        if recording[0]:
+            collectives.append(Collective("all_gather", "secondary", size(output)))
+        return originals["all_gather_secondary"](self, output, shard, async_op)
+
+    def all_to_all_grads(self, output, sent, across):  # type: ignore[no-untyped-def]
+        if recording[0]:
+            collectives.append(Collective("all_to_all", "grads_across" if across else "grads_inside", size(sent),
+                                          per_node=across))
+        return originals["all_to_all_grads"](self, output, sent, across)
 
     def reduce_scatter_flat(self, output, full, async_op=False):  # type: ignore[no-untyped-def]
         if recording[0] and not self.alone:
@@ -122,7 +167,9 @@ def _record(collectives: list[Collective], recording: list[bool]) -> None:
         return originals["all_reduce_sum"](self, tensor)
 
     Communicator.all_gather_flat = all_gather_flat  # type: ignore[method-assign]
+    Communicator.all_gather_secondary = all_gather_secondary  # type: ignore[method-assign]
     Communicator.reduce_scatter_flat = reduce_scatter_flat  # type: ignore[method-assign]
+    Communicator.all_to_all_grads = all_to_all_grads  # type: ignore[method-assign]
     Communicator.all_reduce_replicas = all_reduce_replicas  # type: ignore[method-assign]
     Communicator.all_reduce_sum = all_reduce_sum  # type: ignore[method-assign]
 
@@ -194,16 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     from provenance import provenance  # benchmarks/provenance.py, beside this script
 
     rows: dict[str, Any] = {}
-    for name, zero in VARIANTS.items():
+    for name, (zero, big_zero) in VARIANTS.items():
         print(f"running {name} ...", flush=True)
         found = _run(args, zero)
         collectives = [Collective(**c) for c in found["collectives"]]
-        per_step = [Collective(c.kind, c.role, c.nbytes // args.steps, c.per_shard) for c in collectives]
+        per_step = [Collective(c.kind, c.role, c.nbytes // args.steps, c.per_shard, c.per_node) for c in collectives]
         model_16bit = found["params"] * 2
         shard = found["shard_size"]
-        small = volumes(per_step, RANKS_PER_NODE * NODES, RANKS_PER_NODE, shard, shard)
-        big_shard = BIG_RANKS_PER_NODE * BIG_NODES if not zero else BIG_RANKS_PER_NODE
-        big = volumes(per_step, BIG_RANKS_PER_NODE * BIG_NODES, BIG_RANKS_PER_NODE, big_shard, shard)
+        small = volumes(per_step, RANKS_PER_NODE * NODES, RANKS_PER_NODE, shard, shard,
+                        zero.get("zero_hpz_partition_size", 1))
+        big_shard = big_zero.get("mics_shard_size", BIG_RANKS_PER_NODE * BIG_NODES)
+        big = volumes(per_step, BIG_RANKS_PER_NODE * BIG_NODES, BIG_RANKS_PER_NODE, big_shard, shard,
+                      big_zero.get("zero_hpz_partition_size", 1), min(shard, RANKS_PER_NODE))
         rows[name] = {
             "measured_2x2": small, "computed_8x8": big, "model_16bit_bytes": model_16bit,
             "across_8x8_in_M": big["across_bytes"] / model_16bit,

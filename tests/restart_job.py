@@ -101,7 +101,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
                                                      "warmup_type": "linear"}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "mics_shard_size": args.mics},
+                              "mics_shard_size": args.mics, "zero_hpz_partition_size": args.hpz},
         "checkpoint": {"dir": args.ckpt, "interval_steps": args.interval, "async_save": args.async_save,
                        "keep_last": 2, "resume": True},
         "steps_per_print": None,
@@ -122,6 +122,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill", action="append", default=[], metavar="ATTEMPT:RANK:STEP:POINT")
     parser.add_argument("--mics", type=int, default=-1, help="zero_optimization.mics_shard_size")
+    parser.add_argument("--hpz", type=int, default=1, help="zero_optimization.zero_hpz_partition_size")
     return parser.parse_args(argv)
 
 

@@ -187,6 +187,22 @@ def test_cli_takes_settings_from_a_config_and_options_win(
         "bf16", "none", 7)
 
 
+def test_cli_takes_the_mics_and_hpz_group_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """hpZ's secondary shards are 2P/K bytes on the device; MiCS shards over its group, not the world."""
+    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--nodes", "4",
+                        "--hpz-partition-size", "8", "--json")
+    per_rank = json.loads(out)["model_state_bytes"]
+    assert per_rank["hpz_secondary"] == 2 * 800_000_000 // 8  # bf16: 2 bytes of every 8th element
+    assert per_rank["lp_params"] == 2 * 800_000_000 // 32
+    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--nodes", "4",
+                        "--mics-shard-size", "8", "--json")
+    per_rank = json.loads(out)["model_state_bytes"]
+    assert per_rank["lp_params"] == 2 * 800_000_000 // 8 and per_rank["hpz_secondary"] == 0
+    code, _, err = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--nodes", "4",
+                           "--hpz-partition-size", "16")
+    assert code == 2 and "zero_hpz_partition_size=16 does not divide the 8 ranks per node" in err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--params", "-5"], "'-5': expected a positive whole number"),
     (["--params", "1.5"], "'1.5': expected a positive whole number"),

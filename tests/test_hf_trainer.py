@@ -85,12 +85,19 @@ def plain_run(rank: int, world: int, output_dir: str) -> dict:
             "eval_loss": trainer.evaluate(eval_dataset=dataset()[:8])["eval_loss"]}
 
 
-def zero3_run(rank: int, world: int, output_dir: str) -> dict:
+def zero3_run(rank: int, world: int, output_dir: str, zero: dict | None = None) -> dict:
+    """`zero`: more zero_optimization keys, run as nodes of 2 ranks (torchrun's variables)."""
+    import os
+
     from zero3.integrations.hf import Zero3Trainer
 
+    config = CONFIG
+    if zero:
+        os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+        config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], **zero}}
     model = tiny_llama()
     trainer = in_order(Zero3Trainer)(
-        model=model, args=arguments(world, output_dir), train_dataset=dataset(), zero3_config=CONFIG,
+        model=model, args=arguments(world, output_dir), train_dataset=dataset(), zero3_config=config,
     )
     engine = trainer.engine
     out: dict[str, Any] = {
@@ -118,9 +125,12 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
-def test_zero3_trainer_trains_like_the_plain_trainer(world: int, plain: dict, tmp_path: Path) -> None:
-    results = run_ranks(world, zero3_run, str(tmp_path))
+@pytest.mark.parametrize(("world", "zero"), [
+    (1, None), (2, None), (4, {"mics_shard_size": 2}), (4, {"zero_hpz_partition_size": 2}),
+], ids=["1", "2", "4-mics", "4-hpz"])
+def test_zero3_trainer_trains_like_the_plain_trainer(world: int, zero: dict | None, plain: dict, tmp_path: Path) -> None:
+    """Also at 4 ranks as 2 nodes of 2: MiCS shard groups of a node, and hpZ secondary groups of a node."""
+    results = run_ranks(world, zero3_run, str(tmp_path), zero)
     for out in results:
         # The Trainer's AdamW groups (decay / no-decay), its clipping and micro-batch, filled from "auto".
         assert [decay for _, decay in out["groups"]] == [0.1, 0.0] and sum(n for n, _ in out["groups"]) == 21

@@ -55,7 +55,7 @@ class CastCodec:
     def encode(self, shard: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(shard)
 
-    def decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, gathered: torch.Tensor, out: torch.Tensor, ranks: int) -> None:
         out.copy_(gathered)
 
 

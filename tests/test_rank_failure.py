@@ -95,10 +95,13 @@ def test_a_forward_or_backward_failure_on_one_rank_is_every_ranks(world: int) ->
 
 
 @pytest.mark.timeout(300)
-def test_one_ranks_failure_reaches_every_rank_of_every_mics_replica() -> None:
-    """4 ranks in 2 MiCS groups of 2: rank 1's failure is raised on its own group and on the other replica."""
+@pytest.mark.parametrize("zero", [{"mics_shard_size": 2}, {"zero_hpz_partition_size": 2}], ids=["mics", "hpz"])
+def test_one_ranks_failure_reaches_every_rank_of_every_replica_and_secondary_group(zero: dict) -> None:
+    """4 ranks in 2 MiCS groups of 2: rank 1's failure is raised on its own group and on the other replica.
+    Under hpZ (secondary groups of 2), a failure in backward leaves secondary shards a forward made: the
+    ranks forget them together, and training goes on bit-identical."""
     faults = [("forward", "IndexError"), ("backward", "OutOfMemoryError")]
-    results = run_ranks(4, faulted_and_reference, faults, {"mics_shard_size": 2})
+    results = run_ranks(4, faulted_and_reference, faults, zero)
     for where, fault in faults:
         check_every_rank_raised(results, where, fault)
 

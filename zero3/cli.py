@@ -279,6 +279,10 @@ def _add_estimate_parser(commands: Any) -> None:
                       help="dtype of the reduced gradients, lp_grads (default: the precision)")
     zero.add_argument("--communication-dtype", choices=tuple(estimates.PRECISIONS), default=None,
                       help="dtype of the reduce bucket (default: the precision)")
+    zero.add_argument("--mics-shard-size", type=int, default=None, metavar="S",
+                      help="MiCS: ranks each state is sharded over, replicated across the groups (default: -1, all)")
+    zero.add_argument("--hpz-partition-size", type=non_negative_int, default=None, metavar="K",
+                      help="hpZ: ranks of a secondary group, within a node (default: 1, off)")
     zero.add_argument("--config", type=Path, default=None, metavar="PATH",
                       help="a DeepSpeed-style JSON config to take these settings from; the options above win")
     sub.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
@@ -290,7 +294,8 @@ def _estimate_settings(args: argparse.Namespace) -> estimates.EstimateSettings:
     if args.config is not None:
         base = estimates.EstimateSettings.from_config(load_config(_read_json_object(args.config)))
     names = ("precision", "offload_optimizer", "offload_param", "reduce_bucket_size", "persistence_threshold",
-             "max_in_cpu", "overlap_comm", "grad_accum_dtype", "communication_dtype", "accelerator")
+             "max_in_cpu", "overlap_comm", "grad_accum_dtype", "communication_dtype", "accelerator",
+             "mics_shard_size", "hpz_partition_size")
     return replace(base, **{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 

@@ -345,6 +345,22 @@ class Communicator:
         out, inp = self._hand_over(output, shard)
         return self._started(_all_gather_flat(out, inp, group=self.group, async_op=True), async_op)
 
+    def all_gather_secondary(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """output[r*n:(r+1)*n] = secondary rank r's `shard`, on hpZ's node-local secondary group."""
+        assert self.topology is not None and self.topology.secondary is not None, "hpZ is off: no secondary group"
+        out, inp = self._hand_over(output, shard)
+        group = self.topology.secondary_group
+        return self._started(_all_gather_flat(out, inp, group=group, async_op=True), async_op)
+
+    def all_to_all_grads(self, output: torch.Tensor, sent: torch.Tensor, across: bool) -> dist.Work | None:
+        """Start qgZ's all-to-all of equal rows (row r of `sent` to rank r, rank r's row for this rank into
+        output's row r) inside this rank's node, or `across` the nodes (zero3.topology's Note)."""
+        topology = self.topology
+        assert topology is not None and topology.grads_inside is not None, "qgZ is off: no gradient groups"
+        group = (topology.grads_across if across else topology.grads_inside).shard_group
+        out, inp = self._hand_over(output, sent)
+        return self._started(dist.all_to_all_single(out, inp, group=group, async_op=True), True)
+
     def reduce_scatter_flat(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group.
 

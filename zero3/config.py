@@ -643,10 +643,15 @@ class ZeroConfig(_Model):
     # against the world.
     mics_shard_size: int = Field(default=-1, ge=-1)
     mics_hierarchical_params_gather: bool = False
-    # Not offered (yet): accepted only at the value that leaves them off.
+    # hpZ (DeepSpeed's key): after a forward each rank keeps a secondary 16-bit shard within groups of
+    # this many consecutive ranks (a node), and the backward gathers from those (1 or 0: off).
+    # zero3.topology checks it against the shard group and the node.
     zero_hpz_partition_size: int = Field(default=1, ge=0)
+    # ZeRO++'s qwZ (DeepSpeed's keys): parameter all-gathers carry int8 blocks with a scale each, for every
+    # unit, or for the frozen ones only; the shards, masters and every path that keeps weights stay exact.
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
+    # ZeRO++'s qgZ: each gradient reduce-scatter is two int4 all-to-alls, inside the node, then across.
     zero_quantized_gradients: bool = False
     zenflow: dict[str, Any] | None = None
     leaf_module: LeafModuleConfig = LeafModuleConfig()
@@ -694,13 +699,6 @@ class ZeroConfig(_Model):
     @model_validator(mode="after")
     def _not_offered(self) -> ZeroConfig:
         unsupported = {
-            "zero_hpz_partition_size": (self.zero_hpz_partition_size > 1,
-                                        "hpZ (a secondary shard within a node) is not offered yet; use 1"),
-            "zero_quantized_weights": (self.zero_quantized_weights, "quantized weight gathers are not offered yet"),
-            "zero_quantized_nontrainable_weights": (self.zero_quantized_nontrainable_weights,
-                                                    "quantized weights are not offered yet"),
-            "zero_quantized_gradients": (self.zero_quantized_gradients,
-                                         "quantized gradient reductions are not offered yet"),
             "compute_grad_norm": (not self.compute_grad_norm,
                                   "DeepSpeed allows compute_grad_norm=false with ZeRO stage 1 or 2 only"),
             "zenflow": (self.zenflow is not None, "ZenFlow (stale-gradient offload) is not offered"),
@@ -860,10 +858,21 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.save_muon_momentum_buffer_in_memory": (
         "no effect", "Muon's momentum is a state of zero3's optimizer tier like any other"),
     "zero_optimization.compute_grad_norm": ("off only", "true; false is a ZeRO stage 1/2 setting"),
-    "zero_optimization.zero_hpz_partition_size": ("off only", "1; hpZ is not offered yet"),
-    "zero_optimization.zero_quantized_weights": ("off only", "false; not offered yet"),
-    "zero_optimization.zero_quantized_nontrainable_weights": ("off only", "false; not offered yet"),
-    "zero_optimization.zero_quantized_gradients": ("off only", "false; not offered yet"),
+    "zero_optimization.zero_hpz_partition_size": (
+        "implemented", "hpZ: after each forward a secondary 16-bit shard within groups of this many "
+        "consecutive ranks (a node), from which the backward gathers on the node; 2P/K bytes per rank; "
+        "1 or 0: off. Must divide the shard group (world size, or mics_shard_size) and the ranks per node"),
+    "zero_optimization.zero_quantized_weights": (
+        "implemented", "ZeRO++ qwZ: every parameter all-gather carries int8 blocks of 256 with an fp32 scale "
+        "each (half the bytes of bf16); the shards, masters, checkpoints, exports, iter_full_params and "
+        "GatheredParameters (between steps) stay exact"),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        "implemented", "qwZ for the gathers of frozen parameters only (a LoRA base model); the frozen "
+        "shards stay 16-bit at rest, so exports and checkpoints stay exact"),
+    "zero_optimization.zero_quantized_gradients": (
+        "implemented", "ZeRO++ qgZ: each gradient reduce-scatter is an int4 block-quantized all-to-all inside "
+        "the node, then one across the nodes (a quarter of bf16's bytes, and only 1/L of them cross); the "
+        "reduced gradients, masters and optimizer states stay in their own precision"),
     "zero_optimization.zenflow": ("off only", "absent; ZenFlow is not offered"),
     "zero_optimization.leaf_module": (
         "implemented", "classes, names, name_suffixes: each such module's parameters are one gather unit"),

@@ -42,7 +42,7 @@ from zero3.config import ZeroConfig, Zero3Config
 from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.topology import ShardMesh, mics_group_size
+from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -53,7 +53,7 @@ TIERS = ("none", "cpu", "nvme")
 ACCELERATORS = ("cuda", "cpu")
 PLACES = ("device", "host", "disk")
 # Model state first (what `engine.model_state_bytes()["total"]` adds up), then the scratch bucket.
-MODEL_STATES = ("lp_params", "hp_params", "lp_grads", "optim_states", "persistent_params")
+MODEL_STATES = ("lp_params", "hp_params", "lp_grads", "optim_states", "persistent_params", "hpz_secondary")
 STATES = (*MODEL_STATES, "contiguous_grad_buffer")
 # The states `engine.state_report()` covers (the OffloadStateType values).
 REPORTED_STATES = ("hp_params", "lp_params", "lp_grads", "optim_states", "contiguous_grad_buffer")
@@ -90,6 +90,8 @@ class EstimateSettings:
     optimizer_states: int = 2
     # zero_optimization.mics_shard_size: the ranks each state is sharded over (-1: every rank)
     mics_shard_size: int = -1
+    # zero_optimization.zero_hpz_partition_size: hpZ's secondary group (1 or 0: off)
+    hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, tuple(PRECISIONS))
@@ -102,7 +104,7 @@ class EstimateSettings:
                 _choice(name, value, tuple(PRECISIONS))
         for name, least in (
             ("reduce_bucket_size", 1), ("persistence_threshold", 0), ("model_persistence_threshold", 0),
-            ("max_in_cpu", 0), ("optimizer_states", 0),
+            ("max_in_cpu", 0), ("optimizer_states", 0), ("hpz_partition_size", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -114,6 +116,10 @@ class EstimateSettings:
     def shard_group_size(self, world_size: int) -> int:
         """The ranks a state is sharded over at `world_size` (the engine's rule, and its error)."""
         return mics_group_size(self.mics_shard_size, world_size)
+
+    def secondary_group_size(self, shard_size: int, ranks_per_node: int) -> int:
+        """hpZ's secondary group (1: off), by the engine's rule and with its error."""
+        return hpz_group_size(self.hpz_partition_size, shard_size, ranks_per_node)
 
     @classmethod
     def from_config(cls, config: Zero3Config, accelerator: str = "cuda") -> "EstimateSettings":
@@ -134,6 +140,7 @@ class EstimateSettings:
             accelerator=accelerator,
             optimizer_states=_optimizer_states(config),
             mics_shard_size=zc.mics_shard_size,
+            hpz_partition_size=zc.zero_hpz_partition_size,
         )
 
     @property
@@ -166,12 +173,14 @@ class RankLayout:
     trainable: int  # elements of each optimizer buffer (hp_params, lp_grads, each moment)
     persistent_gathered: int  # elements of the gathered persistent unit (0 when it gathers in place)
     scratch: int  # elements of the reduce bucket (contiguous_grad_buffer)
+    hpz_secondary: int = 0  # 16-bit elements of hpZ's secondary shards (zero3.partition.secondary)
 
 
-def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSettings) -> RankLayout:
+def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSettings, secondary: int = 1) -> RankLayout:
     """The engine's layout of `model` at `world_size`, computed by the engine's own code (see the Note).
 
-    `model` should hold no data (build it on the meta device); it is left as it was.
+    `model` should hold no data (build it on the meta device); it is left as it was. `secondary`: hpZ's
+    secondary group size (1: off).
     """
     params = list(model.parameters())  # unique, in the order the engine's optimizer takes them
     if any(sharded(p) is not None for p in params):
@@ -203,6 +212,8 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
                 persistent.shard_numel if persistent is not None else 0, world_size, settings
             ),
             scratch=reducer.scratch_numel(),
+            # SecondaryShards: world/secondary primary shards of every unit but the persistent one
+            hpz_secondary=world_size // secondary * sum(unit.shard_numel for unit in units) if secondary > 1 else 0,
         )
     finally:
         for p in params:
@@ -220,7 +231,7 @@ def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSe
     return world_size * shard
 
 
-def layout_of_count(params: int, world_size: int, settings: EstimateSettings) -> RankLayout:
+def layout_of_count(params: int, world_size: int, settings: EstimateSettings, secondary: int = 1) -> RankLayout:
     """ZeRO-3's formula for `params` parameters: one flat shard, no persistent ones (see the Note)."""
     shard = ShardMesh.geometry(world_size).shard_numel(params)
     in_memory = min(shard, settings.max_in_cpu) if settings.offload_param == "nvme" else shard
@@ -230,7 +241,7 @@ def layout_of_count(params: int, world_size: int, settings: EstimateSettings) ->
     slots = slot_count(total, capacity, settings.overlap_comm)
     return RankLayout(
         lp_in_memory=in_memory, lp_on_disk=shard - in_memory, trainable=shard, persistent_gathered=0,
-        scratch=capacity * slots,
+        scratch=capacity * slots, hpz_secondary=world_size // secondary * shard if secondary > 1 else 0,
     )
 
 
@@ -251,6 +262,7 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places["lp_grads"][grads_home] = layout.trainable * settings.grad_dtype.itemsize
     places["optim_states"][optimizer_home] = settings.optimizer_states * layout.trainable * FP32_BYTES
     places["persistent_params"]["device"] = layout.persistent_gathered * lp_size
+    places["hpz_secondary"]["device"] = layout.hpz_secondary * lp_size
     places["contiguous_grad_buffer"]["device"] = layout.scratch * settings.comm_dtype.itemsize
     return places
 
@@ -343,17 +355,18 @@ def estimate(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} {value!r}: expected a whole number >= 1")
     world = settings.shard_group_size(ranks_per_node * nodes)  # the ranks each state is split over
+    secondary = settings.secondary_group_size(world, ranks_per_node)
     if (params is None) == (model is None):
         raise ValueError("give exactly one of params (a parameter count) and model")
     if model is not None:
         count = sum(p.numel() for p in model.parameters())
-        layout = layout_of_model(model, world, settings)
+        layout = layout_of_model(model, world, settings, secondary)
     else:
         assert params is not None
         if isinstance(params, bool) or not isinstance(params, int) or params < 1:
             raise ValueError(f"params {params!r}: expected a whole number of parameters >= 1")
         count = params
-        layout = layout_of_count(params, world, settings)
+        layout = layout_of_count(params, world, settings, secondary)
     return Estimate(count, ranks_per_node, nodes, settings, state_bytes(layout, settings), exact=model is not None)
 
 

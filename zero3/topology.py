@@ -24,6 +24,14 @@ says what a model's collectives must do.) The groups:
   replica, as zero3.Init's broadcast of a new module's values).
 * `checkpoint_group()`: gloo, the whole job, for an async save's writes,
   which run while training goes on (made at the first async save).
+* `secondary_group`: hpZ's (`zero_hpz_partition_size: K`), K consecutive
+  ranks of one node and one shard group, which gather the secondary shards
+  a forward left behind (zero3.partition.secondary) in the backward, so its
+  gathers never leave the node.
+* `grads_inside`, `grads_across`: qgZ's (`zero_quantized_gradients`): the
+  shard group cut by node, the ranks of one node, and the ranks at the same
+  place on each node. A gradient reduction is an all-to-all inside the
+  node, then one across (zero3.partition.collectives' `QuantizedGradReduce`).
 * `host_shard_group`, `host_replicate_group`: gloo over the shard and the
   replicate group, for host tensors beside an accelerator (Muon's all-to-all
   and the replicas' gradient sum under ZeRO-Offload); the groups above where
@@ -136,6 +144,8 @@ class ShardMesh:
 
 
 REPLICATE, SHARD = "replicate", "shard"  # the mesh's dimension names, FSDP2's HSDP order
+HPZ_OUTER, HPZ = "hpz_groups", "hpz"  # hpZ's secondary mesh: (groups, ranks in a group)
+QGZ_ACROSS, QGZ_INSIDE = "qgz_across", "qgz_inside"  # qgZ's mesh over a shard group: (nodes, ranks of a node)
 
 
 class TopologyError(ValueError):
@@ -237,6 +247,11 @@ class Topology:
     host_shard_group: dist.ProcessGroup | None
     host_replicate_group: dist.ProcessGroup | None
     timeout: datetime.timedelta | None
+    # hpZ's secondary coordinates (size K, this rank's place) and group; None when hpZ is off.
+    secondary: ShardMesh | None = None
+    # qgZ's two groups over the shard group (see the Note); None when zero_quantized_gradients is off.
+    grads_inside: ShardMesh | None = None
+    grads_across: ShardMesh | None = None
     _made: list[dist.ProcessGroup] = field(default_factory=list)  # destroyed by `close`
     _checkpoint_group: dist.ProcessGroup | None = None
 
@@ -248,18 +263,26 @@ class Topology:
     def replicate_group(self) -> dist.ProcessGroup | None:
         return self.shard.replicate_group
 
+    @property
+    def secondary_group(self) -> dist.ProcessGroup | None:
+        return self.secondary.shard_group if self.secondary is not None else None
+
     @classmethod
     def build(cls, device: torch.device, timeout: datetime.timedelta | None = None,
-              mesh: DeviceMesh | None = None, mics_shard_size: int = -1) -> Topology:
+              mesh: DeviceMesh | None = None, mics_shard_size: int = -1, hpz_partition_size: int = 1,
+              quantized_gradients: bool = False) -> Topology:
         """The topology of the whole job (collective: every rank calls it at the same point).
 
         `mesh`: the user's DeviceMesh: 1-D shards over its one dimension, 2-D is (replicate, shard).
         `mics_shard_size` (the config's): shard groups of that many consecutive ranks, replicas across
-        them (-1: off). Without either, every rank shards (plain ZeRO-3), on groups made here."""
+        them (-1: off). Without either, every rank shards (plain ZeRO-3), on groups made here.
+        `hpz_partition_size` (the config's `zero_hpz_partition_size`): hpZ's secondary groups of that many
+        consecutive ranks (1 or 0: off). `quantized_gradients` (`zero_quantized_gradients`): qgZ's groups."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         if world_size == 1:
             _shape(mesh, mics_shard_size, world_size)  # a bad mesh or size is an error at any world size
             nodes = NodeLayout.agreed([NodeLayout.own_view(rank, world_size)], 0)
+            hpz_group_size(hpz_partition_size, 1, 1)
             return cls(rank, 1, nodes, None, ShardMesh.geometry(1), None, None, None, None, None, timeout)
         made: list[dist.ProcessGroup] = []
         control = dist.new_group(backend="gloo", timeout=timeout)  # before anything can fail on one rank only
@@ -279,6 +302,8 @@ class Topology:
             if failures:
                 raise TopologyError("; ".join(failures))
             nodes = NodeLayout.agreed([view for view, _ in seen], rank)
+            secondary_size = hpz_group_size(hpz_partition_size, shape[1], nodes.ranks_per_node)
+            inside_size = qgz_inside_size(shape[1], nodes.ranks_per_node) if quantized_gradients else 0
             backend = accelerator.communication_backend(device)
             override = _backend_options(backend, timeout)
             job = dist.new_group(backend=backend, timeout=timeout)
@@ -304,12 +329,39 @@ class Topology:
             host_mesh = device_mesh if backend == "gloo" else mesh_of_own_groups(_backend_options("gloo", timeout))
             host_shard_group = host_mesh.get_group(SHARD)
             host_replicate_group = host_mesh.get_group(REPLICATE) if host_mesh.ndim == 2 else None
+            secondary = None
+            if secondary_size > 1:
+                # (secondary groups, K): each row K consecutive ranks, inside one node and one shard group.
+                secondary_mesh = init_device_mesh(
+                    device.type, (world_size // secondary_size, secondary_size),
+                    mesh_dim_names=(HPZ_OUTER, HPZ), backend_override={HPZ_OUTER: override, HPZ: override},
+                )
+                made.extend(secondary_mesh.get_all_groups())
+                secondary = ShardMesh(shard_size=secondary_size, shard_rank=secondary_mesh.get_local_rank(HPZ),
+                                      shard_group=secondary_mesh.get_group(HPZ))
+            grads_inside = grads_across = None
+            if inside_size:
+                # (replicas, nodes of a shard group, ranks of a node in it), the replicas' dimension only when
+                # there are replicas (each dimension is a group per coordinate).
+                replicas, shard_size = shape
+                dims = (QGZ_ACROSS, QGZ_INSIDE)
+                sizes: tuple[int, ...] = (shard_size // inside_size, inside_size)
+                if replicas > 1:
+                    dims, sizes = (REPLICATE, *dims), (replicas, *sizes)
+                grads_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims,
+                                              backend_override={dim: override for dim in dims})
+                made.extend(grads_mesh.get_all_groups())
+                grads_inside, grads_across = (
+                    ShardMesh(shard_size=grads_mesh.size(grads_mesh.mesh_dim_names.index(dim)),
+                              shard_rank=grads_mesh.get_local_rank(dim), shard_group=grads_mesh.get_group(dim))
+                    for dim in (QGZ_INSIDE, QGZ_ACROSS)
+                )
         except BaseException:
             for group in made:
                 dist.destroy_process_group(group)
             raise
         return cls(rank, world_size, nodes, device_mesh, shard, reduce_group, control, job, host_shard_group,
-                   host_replicate_group, timeout, made)
+                   host_replicate_group, timeout, secondary, grads_inside, grads_across, made)
 
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group over the whole job for an async save's writes (made on first use: every rank asks
@@ -360,6 +412,41 @@ def mics_group_size(mics_shard_size: int, world_size: int) -> int:
             "expected a divisor of it (ranks per shard group), or -1"
         )
     return mics_shard_size
+
+
+def hpz_group_size(hpz_partition_size: int, shard_size: int, ranks_per_node: int) -> int:
+    """The ranks of an hpZ secondary group (`zero_optimization.zero_hpz_partition_size`; 1 or 0: off, as in
+    DeepSpeed); a `TopologyError` naming the numbers where the size does not divide the shard group or
+    the node (a secondary group must lie inside both: its gathers are to stay on the node)."""
+    size = hpz_partition_size
+    if size <= 1:
+        return 1
+    if shard_size % size:
+        raise TopologyError(
+            f"zero_optimization.zero_hpz_partition_size={size} does not divide the shard group's {shard_size} "
+            "ranks (the world size, or mics_shard_size): expected a divisor of it, usually the ranks per node"
+        )
+    if ranks_per_node % size:
+        raise TopologyError(
+            f"zero_optimization.zero_hpz_partition_size={size} does not divide the {ranks_per_node} ranks per "
+            "node (LOCAL_WORLD_SIZE): expected a divisor of it, so that each secondary group lies inside a node"
+        )
+    return size
+
+
+def qgz_inside_size(shard_size: int, ranks_per_node: int) -> int:
+    """The ranks of a shard group on one node, for qgZ's all-to-all inside the node: the node's ranks where
+    shard groups span nodes, the shard group where it lies inside one; a `TopologyError` where neither
+    size divides the other (the group's ranks on a node would differ from node to node)."""
+    if shard_size % ranks_per_node == 0:
+        return ranks_per_node
+    if ranks_per_node % shard_size == 0:
+        return shard_size
+    raise TopologyError(
+        f"zero_optimization.zero_quantized_gradients with shard groups of {shard_size} ranks on nodes of "
+        f"{ranks_per_node}: expected one of the two sizes to divide the other, so that every node holds the "
+        "same part of each shard group"
+    )
 
 
 def _shape(mesh: DeviceMesh | None, mics_shard_size: int, world_size: int) -> tuple[int, int]:

@@ -11,10 +11,27 @@ group, copy-out (decoded, and laid out parameter by parameter with
 `copy_out`). A gradient reduction is a reduce-scatter over the shard group,
 then, where the mesh has replicas, an all-reduce of the reduced shard across
 them (`GradReduce`).
+
+[Note: qgZ's reduction]
+Under `zero_quantized_gradients` a bucket's reduce-scatter is ZeRO++'s
+hierarchical all-to-all (`QuantizedGradReduce`). Shard rank r = m*L + l sits
+at place l of node m (L ranks of the shard group per node, M nodes). Each rank
+sends its node peer l' the bucket's chunks of every rank at place l' (M
+chunks), int4 block-quantized; each sums the L dequantized copies it receives
+(fp32), which leaves it the node's partial sums of the chunks of the M ranks
+at its place. Those M partial sums are quantized again and sent across, one
+to each node's rank at the same place; the M received are summed into this
+rank's reduced chunk. What crosses nodes is M-1 int4 chunks per rank instead
+of N-1 16-bit ones. The step across waits on the step inside, so the pair
+runs on one helper thread, bucket after bucket: every rank issues its
+all-to-alls across in the same order, and none waits on the main thread.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
+from zero3.partition.quantize import BlockQuantizer
 from zero3.topology import ShardMesh
 
 
@@ -29,8 +47,8 @@ class ShardCodec(Protocol):
     """The encode/decode slot of a parameter all-gather: what travels instead of the shard.
 
     `encode` turns this rank's shard into the flat tensor that is gathered (all ranks' encoded
-    shards have one size); `decode` turns the gathered, rank-major encoded shards into `out`
-    (the rank-major shards in the parameters' dtype)."""
+    shards have one size); `decode` turns the gathered, rank-major encoded shards of `ranks` ranks
+    into `out` (the rank-major shards in the parameters' dtype)."""
 
     def encoded_numel(self, shard_numel: int) -> int: ...
 
@@ -38,7 +56,7 @@ class ShardCodec(Protocol):
 
     def encode(self, shard: torch.Tensor, out: torch.Tensor) -> None: ...
 
-    def decode(self, gathered: torch.Tensor, out: torch.Tensor) -> None: ...
+    def decode(self, gathered: torch.Tensor, out: torch.Tensor, ranks: int) -> None: ...
 
 
 @dataclass
@@ -49,16 +67,22 @@ class PendingGather:
     work: dist.Work | None
     codec: ShardCodec | None = None
     wire: torch.Tensor | None = None  # the encoded shards' buffer, when a codec runs
+    shard_numel: int = 0  # elements of one rank's shard (the decoded rows' length), when a codec runs
     inputs: list[torch.Tensor] = field(default_factory=list)  # alive until the collective completes
+    # Called once with the rank-major shards when they are in (hpZ keeps its secondary shard).
+    on_complete: Callable[[torch.Tensor], None] | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
         if self.codec is not None and self.wire is not None:
-            self.codec.decode(self.wire, self.output)
+            self.codec.decode(self.wire, self.output, self.output.numel() // self.shard_numel)
             self.wire = None
         self.inputs.clear()
+        if self.on_complete is not None:
+            on_complete, self.on_complete = self.on_complete, None
+            on_complete(self.output)
         return self.output
 
 
@@ -95,7 +119,7 @@ class ParamGather:
         self.codec.encode(shard, encoded)
         wire = torch.empty(size * encoded.numel(), dtype=encoded.dtype, device=encoded.device)
         work = self.comm.all_gather_flat(wire, encoded, async_op=True)
-        return PendingGather(output, work, self.codec, wire, [shard, encoded])
+        return PendingGather(output, work, self.codec, wire, shard.numel(), [shard, encoded])
 
     def gather(self, shard: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor:
         """`start` and `wait`: the rank-major shards."""
@@ -141,3 +165,110 @@ class GradReduce:
         assert self.comm is not None, "a layout-only mesh cannot reduce"
         return self.comm.reduce_scatter_flat(output, full, async_op=True)
 
+
+    def close(self) -> None:
+        """Let go of any helper (the engine is being destroyed)."""
+
+
+class QuantizedReduction:
+    """One bucket's qgZ reduction under way, as the reducer waits on a collective's work."""
+
+    def __init__(self, finished: Future[torch.cuda.Event | None], keep: list[torch.Tensor]) -> None:
+        self.finished = finished
+        self.keep = keep  # the buffers the collectives read and write, alive until done
+
+    def wait(self) -> bool:
+        """Block until the reduced chunk is written (on a GPU: the caller's stream waits for it)."""
+        done = self.finished.result()
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        self.keep.clear()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.finished.done()
+
+
+class QuantizedGradReduce(GradReduce):
+    """qgZ: a bucket's reduce-scatter as two int4 all-to-alls, inside the node then across (see the Note)."""
+
+    def __init__(self, mesh: ShardMesh, comm: Communicator | None, inside: int, across: int,
+                 quantizer: BlockQuantizer | None = None) -> None:
+        super().__init__(mesh, comm)
+        if inside * across != mesh.shard_size:
+            raise ValueError(f"qgZ: {across} nodes of {inside} ranks do not make a shard group of {mesh.shard_size}")
+        self.inside, self.across = inside, across
+        self.quantizer = quantizer or BlockQuantizer(bits=4)
+        self._helper: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def start(self, output: torch.Tensor, full: torch.Tensor) -> QuantizedReduction:  # type: ignore[override]
+        assert self.comm is not None, "a layout-only mesh cannot reduce"
+        numel = output.numel()
+        # [L, M, n]: row l holds the chunks of the ranks at place l on each node
+        by_place = full.view(self.across, self.inside, numel).transpose(0, 1)
+        keep = [full]
+        ready = _stream_event(full.device)  # the helper's stream waits for the bucket to be written
+        if self.inside > 1:
+            sent = self.quantizer.encode(by_place, rows=self.inside)
+            received = torch.empty_like(sent)
+            first = self.comm.all_to_all_grads(received, sent, across=False)
+            keep += [sent, received]
+            own: torch.Tensor | None = None
+        else:
+            received, first, own = None, None, by_place[0].float()  # [M, n], copied before output is written
+        finished = self._pool().submit(self._finish, output, numel, received, first, own, ready)
+        return QuantizedReduction(finished, keep)
+
+    def _finish(self, output: torch.Tensor, numel: int, received: torch.Tensor | None, first: dist.Work | None,
+                own: torch.Tensor | None, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """The rest of a bucket's reduction, on the helper thread; on a GPU, the event that marks it done."""
+        if ready is None:
+            self._reduce(output, numel, received, first, own)
+            return None
+        with torch.cuda.device(output.device):
+            torch.cuda.current_stream().wait_event(ready)
+            self._reduce(output, numel, received, first, own)
+            return _stream_event(output.device)
+
+    def _reduce(self, output: torch.Tensor, numel: int, received: torch.Tensor | None, first: dist.Work | None,
+                own: torch.Tensor | None) -> None:
+        assert self.comm is not None
+        if received is not None:
+            if first is not None:
+                first.wait()
+            partial = self.quantizer.decode(received, self.across * numel).view(self.inside, self.across, numel).sum(0)
+        else:
+            assert own is not None
+            partial = own
+        if self.across > 1:
+            sent = self.quantizer.encode(partial, rows=self.across)
+            arrived = torch.empty_like(sent)
+            work = self.comm.all_to_all_grads(arrived, sent, across=True)
+            if work is not None:
+                work.wait()
+            total = self.quantizer.decode(arrived, numel).view(self.across, numel).sum(0)
+        else:
+            total = partial[0]
+        output.copy_(total)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._helper is None:  # one thread: the buckets' steps across go out in order
+                self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-qgz")
+            return self._helper
+
+    def close(self) -> None:
+        with self._lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
+
+
+def _stream_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on `device`'s current stream (None off a GPU, where work is done when issued)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -61,10 +61,20 @@ class GatheredParameters:
             return self
         for unit in self.units:
             unit.acquire(Hold.PIN)
-        for unit in self.units:  # issue every all-gather before waiting on any
-            unit.fetch()
+        for unit in self.units:  # issue every all-gather before waiting on any (exactly, under qwZ)
+            unit.fetch(exact=True)
         for unit in self.units:
             unit.wait()
+        if self.modifier_rank is not None:
+            quantized = [unit.label for unit in self.units if not unit.exact_values]
+            if quantized:  # inside a forward or backward, which gathers as the pass does
+                for unit in self.units:
+                    unit.release(Hold.PIN)
+                raise RuntimeError(
+                    f"GatheredParameters(modifier_rank={self.modifier_rank}) inside a forward or backward under "
+                    f"zero_quantized_weights: {quantized} were gathered quantized, and writing them back would "
+                    "keep the quantization error in the weights; modify parameters between steps"
+                )
         # Without a modifier rank an edit would be dropped on exit: note each parameter's storage and version
         # to say so then (DeepSpeed raises on every rank, too).
         self._versions = [(sp, sp.param.data_ptr(), sp.param._version) for sp in self.listed]

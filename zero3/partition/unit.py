@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,6 +24,9 @@ from zero3.enums import ParamStatus
 from zero3.partition.collectives import ParamGather, PendingGather
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from zero3.partition.secondary import SecondaryShards
 
 
 class UnitState(Enum):
@@ -63,7 +66,7 @@ class UnitDriver(Protocol):
 
     def observe(self, unit: "GatherUnit", old: UnitState, new: UnitState) -> None: ...
 
-    def fetch(self, unit: "GatherUnit") -> None: ...
+    def fetch(self, unit: "GatherUnit", exact: bool = False) -> None: ...
 
 
 class GatherUnit:
@@ -91,6 +94,11 @@ class GatherUnit:
         self._driver: UnitDriver | None = None  # the runtime driving the gathers, while one does
         # Where the shard comes from when it does not live on the device (None: the lp slot's view).
         self.source: ShardSource | None = None
+        # hpZ's secondary shards, where the engine keeps them (zero3.partition.secondary).
+        self.secondary: SecondaryShards | None = None
+        # Whether the gathered values are the shards' own: False after a quantized gather (qwZ's codec on
+        # `gather`), which only a pass's computation may read; a reader that keeps values asks for exact.
+        self.exact_values = True
         for sp in params:
             _UNIT_OF[sp] = self  # the latest unit built over a parameter is its unit
 
@@ -132,30 +140,47 @@ class GatherUnit:
     def detach(self) -> None:
         self._driver = None
 
-    def fetch(self) -> None:
-        """Start bringing the unit in (the runtime's way, if it drives the gathers); `wait` completes it."""
+    def fetch(self, exact: bool = False) -> None:
+        """Start bringing the unit in (the runtime's way, if it drives the gathers); `wait` completes it.
+        `exact`: the values must be the shards' own, never a quantized gather's, where the runtime can
+        gather them so (between passes: see `GatherUnit.exact_values`)."""
         if self._driver is not None:
-            self._driver.fetch(self)
+            self._driver.fetch(self, exact)
         else:
-            self.start_unshard(async_op=True)
+            self.start_unshard(async_op=True, exact=exact)
 
-    def start_unshard(self, async_op: bool) -> None:
-        """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED."""
+    def start_unshard(self, async_op: bool, exact: bool = False) -> None:
+        """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED; gathered with quantized values
+        (qwZ), an `exact` one gathers again, exactly."""
+        if exact and self.state is UnitState.UNSHARDED and not self.exact_values:
+            self.reshard()
         if self.state is not UnitState.SHARDED:
             return
         if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
             self._pending = PendingGather(self.lp_slot.view(), None)
+        elif exact and self.gather.codec is not None:
+            self._pending = self.gather.exact().start(self.local_shard())
         else:
             self._pending = self.start_gather()
+        self.exact_values = exact or self.gather.codec is None
         self._set_state(UnitState.INFLIGHT)
         if not async_op:
             self.wait()
 
     def start_gather(self) -> PendingGather:
         """This rank's part in the unit's all-gather, whoever reads the result: the unit's own gather,
-        or the lockstep walk's spare one for a unit another rank needs (the same collective)."""
-        return self.gather.start(self.local_shard())
+        or the lockstep walk's spare one for a unit another rank needs (the same collective). Under hpZ,
+        from the secondary shards on the node where the ranks agree they hold the unit, else from the
+        primary shards, keeping this rank's secondary shard while a forward records."""
+        secondary = self.secondary
+        if secondary is None:
+            return self.gather.start(self.local_shard())
+        pending = secondary.start_gather(self)
+        if pending is None:
+            pending = self.gather.start(self.local_shard())
+            pending.on_complete = secondary.recorder(self)
+        return pending
 
     def wait(self) -> None:
         """Complete an in-flight all-gather (INFLIGHT -> UNSHARDED)."""

@@ -34,12 +34,15 @@ from zero3.offload.tiers import (
 from zero3.optim.muon import check_use_muon, split_groups
 from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
-from zero3.partition.collectives import GradReduce, ParamGather
+from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.leaf_modules import apply_leaf_module_config, set_leaves_by_granularity
 from zero3.partition.partitioner import Partitioner, build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
+from zero3.topology import ShardMesh
 from zero3.partition.init_context import gather_full_fp32
+from zero3.partition.quantize import QuantizedShards
+from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState, unit_of
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_hooks import BackwardPass
@@ -72,6 +75,7 @@ class EngineParts:
     coordinator: ParamCoordinator
     backward: BackwardPass
     offloader: StateOffloader
+    secondary: SecondaryShards | None  # hpZ's (zero3.partition.secondary)
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -126,6 +130,7 @@ class EngineParts:
         if self.optimizer is not None:
             states.update(self.optimizer.state_bytes())
         states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
+        states["hpz_secondary"] = self.secondary.nbytes if self.secondary is not None else 0
         states["total"] = sum(states.values())
         # Scratch, not model state: reported beside the total, not in it.
         states["contiguous_grad_buffer"] = self.reducer.scratch.nbytes if self.reducer.scratch is not None else 0
@@ -151,6 +156,8 @@ class EngineParts:
         self.reducer.scratch = None
         for buffer in self.lp_buffers:
             buffer.release("was freed: this zero3 engine was destroyed")
+        if self.secondary is not None:
+            self.secondary.drop_buffer()
         if self.param_disk is not None:
             self.param_disk.close()
         if self.optimizer is not None:
@@ -182,6 +189,7 @@ def build(
     units, module_units, persistent_unit = build_units(
         model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     )
+    quantize_gathers(units, gather, zc.zero_quantized_weights, zc.zero_quantized_nontrainable_weights)
     all_units = units + ([persistent_unit] if persistent_unit is not None else [])
     sharded_params = [sp for unit in all_units for sp in unit.params]
     if spec is not None and spec.groups is not None:
@@ -205,7 +213,7 @@ def build(
     if spec is not None:
         grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
     reducer = GradientReducer(
-        GradReduce(gather.mesh, comm), trainable, config.communication_dtype, device,
+        grad_reduce(gather.mesh, comm), trainable, config.communication_dtype, device,
         zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients, grads,
     )
     loss_scaler = build_loss_scaler(config.fp16)
@@ -230,9 +238,14 @@ def build(
     for sp in sharded_params:
         sp.hp_seed = None  # frozen parameters keep no master
 
+    secondary = None
+    topology = comm.topology
+    if topology is not None and topology.secondary is not None and units:
+        # hpZ: the persistent unit stays gathered, so only the others keep a secondary shard.
+        secondary = SecondaryShards(units, gather.mesh, topology.secondary, comm, device, compute_dtype)
     coordinator = ParamCoordinator(
         model, units, module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
-        zc.stage3_max_live_parameters, persistent_unit, grads,
+        zc.stage3_max_live_parameters, persistent_unit, grads, secondary,
     )
     offloader = StateOffloader(
         device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
@@ -249,8 +262,30 @@ def build(
         persistent_unit.unshard()
     return EngineParts(
         model, device, units, persistent_unit, sharded_params, disk, host_pool, layout.buffers, layout.disk_tier,
-        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader,
+        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary,
     )
+
+
+def grad_reduce(mesh: ShardMesh, comm: Communicator) -> GradReduce:
+    """The gradient reduction: qgZ's two quantized all-to-alls where the topology made their groups
+    (`zero_quantized_gradients`), else a reduce-scatter."""
+    topology = comm.topology
+    if topology is None or topology.grads_inside is None or topology.grads_across is None or not mesh.sharded:
+        return GradReduce(mesh, comm)
+    return QuantizedGradReduce(mesh, comm, topology.grads_inside.shard_size, topology.grads_across.shard_size)
+
+
+def quantize_gathers(units: list[GatherUnit], gather: ParamGather, weights: bool, nontrainable: bool) -> None:
+    """qwZ: the units' all-gathers carry int8 blocks (zero3.partition.quantize), every unit's with
+    `zero_quantized_weights`, only frozen units' with `zero_quantized_nontrainable_weights`. The persistent
+    unit, gathered once and kept, and every path that keeps what it gathers (the engine's own `gather`)
+    stay exact."""
+    if not (weights or nontrainable) or not gather.mesh.sharded:
+        return
+    quantized = ParamGather(gather.mesh, gather.comm, QuantizedShards())
+    for unit in units:
+        if weights or not any(sp.param.requires_grad for sp in unit.params):
+            unit.gather = quantized
 
 
 def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:

@@ -63,6 +63,7 @@ from torch.utils.hooks import RemovableHandle
 from zero3.comm import Communicator
 from zero3.topology import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
+from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
@@ -150,6 +151,7 @@ class ParamCoordinator:
         max_live_numel: int,
         persistent_unit: GatherUnit | None = None,
         grads: GradShards | None = None,
+        secondary: SecondaryShards | None = None,
     ) -> None:
         self.module = module
         self.units = units
@@ -157,8 +159,12 @@ class ParamCoordinator:
         self.persistent_unit = persistent_unit
         self._module_units = module_units
         self.live = LiveCount()
-        # The forward's last marker carries whether a rank's forward raised (zero3.rank_failure).
-        self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 1)
+        # hpZ's secondary shards (zero3.partition.secondary): recorded in a forward, agreed at its end.
+        self.secondary = secondary
+        # The forward's last marker carries whether a rank's forward raised (zero3.rank_failure), and under
+        # hpZ the units whose secondary shards it recorded.
+        self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel,
+                                       1 + (secondary.words if secondary is not None else 0))
         self.comm = comm
         # The backward's last marker also says whether a rank has gradients to reduce late, and whether it failed.
         self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2)
@@ -232,12 +238,13 @@ class ParamCoordinator:
     def live_numel(self) -> int:
         return self.live.numel
 
-    def fetch(self, unit: GatherUnit) -> None:
-        """Start gathering a unit this rank needs now: through the pass's walk, or directly between passes."""
+    def fetch(self, unit: GatherUnit, exact: bool = False) -> None:
+        """Start gathering a unit this rank needs now: through the pass's walk (as the pass gathers it), or
+        directly between passes (`exact`: never from quantized values)."""
         if self._walk is not None:
             self._walk.fetch(unit)
-        elif unit.state is UnitState.SHARDED:
-            unit.start_unshard(async_op=True)
+        else:
+            unit.start_unshard(async_op=True, exact=exact)
 
     def _acquire(self, unit: GatherUnit, frame: _Frame) -> None:
         unit.acquire(Hold.FORWARD)
@@ -273,6 +280,8 @@ class ParamCoordinator:
         if self._walk is None:
             self._walk = self.forward_walk
             self.forward_walk.begin()
+            if self.secondary is not None:
+                self.secondary.begin_forward(records=torch.is_grad_enabled())
         self._frames.append(_Frame(module, []))
         if torch.is_grad_enabled() and not self.saves_by_reference:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -301,8 +310,15 @@ class ParamCoordinator:
             self._release_until_backward(output)
         if self._walk is self.forward_walk:  # this forward began its own walk
             self._walk = None
-            extras = self.forward_walk.end([int(failure is not None)])
-            if self.forward_walk.lockstep and any(row[0] for row in extras):
+            recorded = self.secondary.recorded_words() if self.secondary is not None else []
+            extras = self.forward_walk.end([int(failure is not None), *recorded])
+            failed = any(row[0] for row in extras)
+            if self.secondary is not None:
+                if failed:
+                    self.secondary.forget()
+                else:
+                    self.secondary.agree([row[1:] for row in extras])
+            if self.forward_walk.lockstep and failed:
                 raise_peer_failure(self.comm, "forward", failure)
 
     def _release_until_backward(self, output: Any) -> None:
@@ -338,6 +354,8 @@ class ParamCoordinator:
             return
         walk.begin()
         walk.end([1])
+        if self.secondary is not None:
+            self.secondary.forget()
         raise_peer_failure(self.comm, "forward", failure)
 
     def _exit_saved_hooks(self) -> None:
@@ -442,6 +460,8 @@ class ParamCoordinator:
         if self._walk is self.backward_walk:
             self._walk = None
             extras = self.backward_walk.end(extra or [])
+        if self.secondary is not None:
+            self.secondary.end_backward()
         self.used_since_backward.clear()
         return extras
 
@@ -471,4 +491,6 @@ class ParamCoordinator:
         if self._walk is not None:
             walk, self._walk = self._walk, None
             walk.end()
+        if self.secondary is not None:
+            self.secondary.forget()
         self.release_all()

@@ -111,6 +111,8 @@ class OffloadMethods:
         self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident
         if OffloadStateType.lp_params in states and parts.persistent_unit is not None:
             parts.persistent_unit.reshard()  # re-gathered by the next forward
+        if OffloadStateType.lp_params in states and parts.secondary is not None:
+            parts.secondary.drop_buffer()  # hpZ's secondary shards: made and filled by the next training forward
         masters = {OffloadStateType.hp_params, OffloadStateType.optim_states}
         if parts.optimizer is not None and parts.optimizer.masters_are_shards:
             masters.add(OffloadStateType.lp_params)  # the masters view the shards

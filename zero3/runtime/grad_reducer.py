@@ -520,7 +520,8 @@ class GradientReducer:
         return finished
 
     def close(self) -> None:
-        """Stop the helper thread (every reduction has landed by then)."""
+        """Stop the helper threads (every reduction has landed by then)."""
         if self._waiter is not None:
             self._waiter.shutdown(wait=True, cancel_futures=True)
             self._waiter = None
+        self.reduce.close()

@@ -63,7 +63,8 @@ def initialize(
     accelerator.set_device(device)
     comm.join_default_group(device, cfg.comm_timeout_s)
     topology = Topology.build(device, comm.engine_timeout(cfg.comm_timeout_s), mesh,
-                              cfg.zero_optimization.mics_shard_size)
+                              cfg.zero_optimization.mics_shard_size, cfg.zero_optimization.zero_hpz_partition_size,
+                              cfg.zero_optimization.zero_quantized_gradients)
     communicator = comm.Communicator(topology)
     try:
         engine = ZeroEngine(
