@@ -158,6 +158,22 @@ def render_comm_volume(run: dict[str, Any]) -> str:
             + f"\n\nThe ZeRO++ paper's cross-node volume per step: {paper}.\n\n" + provenance_line(run))
 
 
+# ---- zeropp_loss.py -------------------------------------------------------------------------------------------
+
+def render_zeropp_loss(run: dict[str, Any]) -> str:
+    setup = run["setup"]
+    steps, every, window = setup["steps"], setup["every"], min(setup["window"], setup["steps"])
+    marks = sorted(set(range(0, steps, every)) | {steps - 1})
+    rows = [[name, *(f"{curve[m]:.3f}" for m in marks), f"**{run['final_mean'][name]:.3f}**",
+             f"{run['final_vs_plain'][name]:.3f}"] for name, curve in run["curves"].items()]
+    return (f"Loss of the built-in GPT ({setup['n_layer']} x {setup['n_embd']}, bf16) on the built-in corpus, 4 ranks "
+            f"as 2 simulated nodes of 2, the same global batches ({setup['micro_batch']} rows a rank) in every "
+            f"variant, AdamW at {setup['lr']}; the last column is the mean of the last {window} steps over plain "
+            f"ZeRO-3's.\n\n"
+            + table(["variant", *(f"step {m + 1}" for m in marks), f"last {window}", "vs plain"], rows)
+            + "\n\n![loss curves](plots/zeropp_loss_cpu.png)\n\n" + provenance_line(run))
+
+
 # ---- examples/rlhf_colocate.py --------------------------------------------------------------------------------
 
 def rlhf_phases(ranks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -209,7 +225,8 @@ def render_rlhf(run: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
                                                           "checkpoint": render_checkpoint,
                                                           "recovery": render_recovery, "rlhf": render_rlhf,
-                                                          "comm_volume": render_comm_volume}
+                                                          "comm_volume": render_comm_volume,
+                                                          "zeropp_loss": render_zeropp_loss}
 
 
 def kind(name: str) -> str:
@@ -253,10 +270,14 @@ def headline(measured: Figures) -> str:
         lambda run: f"{step_ratio(run, 'zero3-ckpt', 'zero3'):.2f}x the step without (goal 1.05x)")
     add("checkpoint load vs plain `torch.load`", "checkpoint_cpu",
         lambda run: f"{run['load_time_ratio']['of_medians']:.2f}x its speed (goal 0.8x)")
-    add("cross-node bytes per step, 8 nodes x 8, MiCS per node", "comm_volume_cpu",
-        lambda run: f"{run['variants']['MiCS, a shard group per node']['across_8x8_vs_plain']:.2f}x plain ZeRO-3's "
-                    f"({run['variants']['MiCS, a shard group per node']['across_8x8_in_M']:.2f}M against "
-                    f"{run['variants']['plain ZeRO-3']['across_8x8_in_M']:.2f}M)")
+    def across(run: dict[str, Any]) -> str:
+        names = {"MiCS, a shard group per node": "MiCS", "hpZ, a secondary group per node": "hpZ",
+                 "hpZ + qwZ + qgZ (ZeRO++)": "all of ZeRO++"}
+        plain = run["variants"]["plain ZeRO-3"]["across_8x8_in_M"]
+        return ", ".join(f"{short} {run['variants'][name]['across_8x8_vs_plain']:.2f}x"
+                         for name, short in names.items() if name in run["variants"]) + f" plain ZeRO-3's {plain:.2f}M"
+
+    add("cross-node bytes per step, 8 nodes x 8", "comm_volume_cpu", across)
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")
@@ -283,7 +304,8 @@ def render_pages(measured: Figures) -> dict[Path, str]:
 
 
 def plot(measured: Figures, folder: Path) -> list[Path]:
-    """Step time and peak memory per engine, one pair of bar charts per step_time run."""
+    """Step time and peak memory per engine, one pair of bar charts per step_time run; a zeropp_loss run's
+    loss curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,6 +313,22 @@ def plot(measured: Figures, folder: Path) -> list[Path]:
 
     written = []
     for name, run in measured.items():
+        if kind(name) == "zeropp_loss":
+            figure, axis = plt.subplots(figsize=(7, 3.5))
+            for variant, curve in run["curves"].items():
+                axis.plot(range(1, len(curve) + 1), curve, label=variant, linewidth=1.2,
+                          color="tab:gray" if variant.startswith("plain") else None)
+            axis.set_xlabel("step")
+            axis.set_ylabel("loss (mean over ranks)")
+            axis.legend(fontsize=8)
+            figure.suptitle(f"{name}: GPT {run['setup']['n_layer']} x {run['setup']['n_embd']}, bf16, 4 ranks as "
+                            f"2 nodes of 2, {day(run)}", fontsize=9)
+            figure.tight_layout()
+            path = folder / f"{name}.png"
+            figure.savefig(path, dpi=110)
+            plt.close(figure)
+            written.append(path)
+            continue
         if kind(name) != "step_time" or len(step_engines(run)) < 2:
             continue
         engines = step_engines(run)

@@ -5,10 +5,9 @@ Not a test: nothing here asserts. Four ranks (gloo, one process each) run as 2 s
 train the built-in GPT (bf16) on the built-in character corpus, the same global batches in every variant:
 plain ZeRO-3, qwZ (int8 weight gathers), qgZ (int4 all-to-all gradient reduction), and all three ZeRO++
 parts (hpZ + qwZ + qgZ). Prints the loss every `--every` steps and the last window's mean against plain's,
-writes JSON, and draws the curves as an SVG (no plotting library: a polyline per variant).
+and writes JSON with every step's loss (`python benchmarks/figures.py --plots` draws the curves).
 
-    python benchmarks/zeropp_loss.py --json benchmarks/measured/zeropp_loss_cpu.json \\
-        --svg docs/figures/zeropp_loss_cpu.svg           # ~6 min here
+    python benchmarks/zeropp_loss.py --json benchmarks/measured/zeropp_loss_cpu.json   # ~5 min here
     python benchmarks/zeropp_loss.py --steps 4 --n-layer 1    # a smoke run
 """
 
@@ -36,7 +35,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hpZ + qwZ + qgZ": {"zero_hpz_partition_size": RANKS_PER_NODE, "zero_quantized_weights": True,
                         "zero_quantized_gradients": True},
 }
-COLOURS = ["#222222", "#1f77b4", "#2ca02c", "#d62728"]
 
 
 def _worker(args: argparse.Namespace, out_dir: str) -> None:
@@ -80,34 +78,6 @@ def _worker(args: argparse.Namespace, out_dir: str) -> None:
         torch.save(curves, Path(out_dir) / "curves.pt")
 
 
-def svg(curves: dict[str, list[float]], title: str) -> str:
-    """The curves as a small standalone SVG: steps across, loss up."""
-    width, height, pad = 640, 360, 48
-    steps = max(len(c) for c in curves.values())
-    low = min(min(c) for c in curves.values())
-    high = max(max(c) for c in curves.values())
-
-    def point(i: int, value: float) -> str:
-        x = pad + (width - 2 * pad) * i / max(1, steps - 1)
-        y = height - pad - (height - 2 * pad) * (value - low) / max(1e-9, high - low)
-        return f"{x:.1f},{y:.1f}"
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
-             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
-             f'<text x="{pad}" y="24" font-size="14">{title}</text>',
-             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="#888"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="#888"/>',
-             f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">step (of {steps})</text>',
-             f'<text x="8" y="{pad}">{high:.2f}</text><text x="8" y="{height - pad}">{low:.2f}</text>']
-    for n, (name, curve) in enumerate(curves.items()):
-        colour = COLOURS[n % len(COLOURS)]
-        points = " ".join(point(i, v) for i, v in enumerate(curve))
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
-        parts.append(f'<text x="{width - pad - 150}" y="{pad + 16 * n}" fill="{colour}">{name}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
@@ -119,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--json", type=Path, default=_REPO / "benchmarks" / "results" / "zeropp_loss.json")
-    parser.add_argument("--svg", type=Path, default=_REPO / "benchmarks" / "results" / "zeropp_loss.svg")
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -137,21 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     final = {name: statistics.fmean(curve[-window:]) for name, curve in curves.items()}
     plain = final["plain ZeRO-3"]
     print(f"\nloss, GPT {args.n_layer} x {args.n_embd} on the built-in corpus, 4 ranks as 2 nodes of 2, bf16")
-    marks = list(range(0, args.steps, args.every)) + [args.steps - 1]
+    marks = sorted(set(range(0, args.steps, args.every)) | {args.steps - 1})
     print(f"{'variant':18} " + " ".join(f"{'step ' + str(m + 1):>9}" for m in marks)
           + f" {'last ' + str(window):>9} {'vs plain':>9}")
     for name, curve in curves.items():
         print(f"{name:18} " + " ".join(f"{curve[m]:9.3f}" for m in marks)
               + f" {final[name]:9.3f} {final[name] / plain:9.3f}")
     out = {"benchmark": "zeropp_loss", "provenance": provenance(),
-           "setup": vars(args) | {"json": str(args.json), "svg": str(args.svg)},
+           "setup": vars(args) | {"json": str(args.json)},
            "curves": curves, "final_mean": final, "final_vs_plain": {n: v / plain for n, v in final.items()}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
-    args.svg.parent.mkdir(parents=True, exist_ok=True)
-    args.svg.write_text(svg(curves, f"ZeRO++ quantized collectives vs plain ZeRO-3: loss, GPT {args.n_layer} x "
-                                    f"{args.n_embd}, bf16, 4 ranks as 2 nodes of 2"))
-    print(f"wrote {args.json} and {args.svg}")
+    print(f"wrote {args.json}")
     return 0
 
 
