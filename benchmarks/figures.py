@@ -275,7 +275,7 @@ def headline(measured: Figures) -> str:
                  "hpZ + qwZ + qgZ (ZeRO++)": "all of ZeRO++"}
         plain = run["variants"]["plain ZeRO-3"]["across_8x8_in_M"]
         return ", ".join(f"{short} {run['variants'][name]['across_8x8_vs_plain']:.2f}x"
-                         for name, short in names.items() if name in run["variants"]) + f" plain ZeRO-3's {plain:.2f}M"
+                         for name, short in names.items() if name in run["variants"]) + f" of plain ZeRO-3's {plain:.2f}M"
 
     add("cross-node bytes per step, 8 nodes x 8", "comm_volume_cpu", across)
     add("kill to first step after a restart", "recovery_cpu",
@@ -323,11 +323,7 @@ def plot(measured: Figures, folder: Path) -> list[Path]:
             axis.legend(fontsize=8)
             figure.suptitle(f"{name}: GPT {run['setup']['n_layer']} x {run['setup']['n_embd']}, bf16, 4 ranks as "
                             f"2 nodes of 2, {day(run)}", fontsize=9)
-            figure.tight_layout()
-            path = folder / f"{name}.png"
-            figure.savefig(path, dpi=110)
-            plt.close(figure)
-            written.append(path)
+            written.append(save(figure, folder / f"{name}.png"))
             continue
         if kind(name) != "step_time" or len(step_engines(run)) < 2:
             continue
@@ -341,12 +337,17 @@ def plot(measured: Figures, folder: Path) -> list[Path]:
         memory_axis.set_ylabel(memory_label(run).replace(" MiB", ", MiB"))
         figure.suptitle(f"{name}: {run['setup']['num_parameters'] / 1e6:,.0f}M params, {run['setup']['device']}, "
                         f"{run['setup']['precision']}, {day(run)}", fontsize=9)
-        figure.tight_layout()
-        path = folder / f"{name}.png"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save(figure, folder / f"{name}.png"))
     return written
+
+
+def save(figure: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@
 #            with the allocator's pinned allocation, then with registered pages
 #   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
 #            FSDP2 (accelerate's own) and DeepSpeed
+#   quantize ZeRO++'s block quantize / dequantize throughput beside a device copy's (goal: half of it)
 # ENGINES picks the step_time engines (default ddp,zero3,fsdp2, plus deepspeed when it imports and DS=1:
 # its fused Adam is compiled on first use, which costs a minute of device time).
 # The log goes to $OUT/all.log (or /tmp/gpu_checks) and, after every phase, the JSON results and
@@ -90,6 +91,10 @@ for phase in "$@"; do
         python3 benchmarks/hf_trainer.py --world 1 --rounds ${ROUNDS:-2} --engines ${engines} --hidden 1024 \
           --layers 8 --out $work/hf_trainer.json" > "$work/hf.log" 2>&1
       echo "rc $?"; tail -16 "$work/hf.log"; rm -rf "$work/hf-run" ;;
+    quantize)
+      timeout "$(limit quantize 60)" python3 benchmarks/quantize_throughput.py --device cuda \
+        --json "$work/quantize_cuda.json" > "$work/quantize.log" 2>&1
+      echo "rc $?"; tail -8 "$work/quantize.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   pack

@@ -155,6 +155,29 @@ class Routed(nn.Module):
         return F.mse_loss(self.head(h).float(), y.float())
 
 
+class RoutedSync(Routed):
+    """`Routed` whose forward runs its own collective after the routed experts, on every rank (as DDP and
+    FSDP require): an all-reduce, on the default group, of a statistic of each rank's hidden state."""
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        code = self.code(x)
+        h = torch.relu(self.stem(x))
+        for index in ROUTES[code]:
+            h = h + torch.tanh(self.experts[index](h))
+        return self.extra(h) if code % 2 else h
+
+    def head_loss(self, h: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(h / (1 + scale)).float(), y.float())
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        h = self.hidden(x)
+        scale = h.detach().abs().mean().reshape(1).clone()
+        dist.all_reduce(scale)  # the sum over ranks
+        return self.head_loss(h, y, scale)
+
+
 class AttributeTiedLM(nn.Module):
     """The head reads the embedding's weight by attribute (not registered in the head)."""
 

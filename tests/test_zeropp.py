@@ -212,3 +212,44 @@ def test_qgz_reduction_is_the_sum_within_its_quantization_error(local_world: int
         # quantized, and by the bits asked (int4 rounds gaussian data to ~12% rms error at each of two steps)
         assert 0 < fine["error"] < coarse["error"] < 0.3, (fine, coarse)
         assert fine["error"] < 0.02
+
+
+def _quantized_with_tiers(rank: int, world: int, nvme: str) -> dict:
+    """All of ZeRO++, with and without every state on disk (and parked there once, between two steps)."""
+    os.environ.update(LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    zero3.init_distributed()
+    zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
+    on_disk = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+               "offload_param": {"device": "nvme", "nvme_path": nvme}}
+    out: dict = {}
+    for name, zero in (("in memory", zeropp), ("on disk", {**zeropp, **on_disk})):
+        torch.manual_seed(0)
+        model = models.MLP()
+        engine, *_ = zero3.initialize(model=model, config=gpt_config(zero))
+        losses, parked_exactly = [], None
+        for step, (x, y) in enumerate(models.batches("x8", 4, MICRO * world)):
+            if step == 2 and name == "on disk":
+                before = {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+                engine.offload_states(device="nvme", nvme_path=nvme)
+                engine.reload_states()
+                parked_exactly = all(torch.equal(zero3.safe_get_full_fp32_param(p), before[n])
+                                     for n, p in model.named_parameters())
+            loss = engine(x.chunk(world)[rank].bfloat16(), y.chunk(world)[rank].bfloat16())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float().clone())
+        out[name] = {"losses": losses, "parked_exactly": parked_exactly,
+                     "params": {n: zero3.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}}
+        engine.destroy()
+    return out
+
+
+def test_all_of_zeropp_with_every_state_on_disk_trains_as_in_memory_and_parks_exactly(tmp_path: Path) -> None:
+    """A tier moves the states, not the arithmetic: the quantized run with its parameters and optimizer on
+    disk (its shards quantized as they come in from the file) is the in-memory quantized run, bit for bit."""
+    for result in run_ranks(4, _quantized_with_tiers, str(tmp_path)):
+        assert result["on disk"]["parked_exactly"] is True
+        for a, b in zip(result["on disk"]["losses"], result["in memory"]["losses"]):
+            assert torch.equal(a, b)
+        for name, value in result["in memory"]["params"].items():
+            assert torch.equal(result["on disk"]["params"][name], value), name

@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -479,7 +480,8 @@ class Communicator:
         """Private aliases (same storage) of a collective's tensors; see the Note."""
         _forget_released()
         aliases = tuple(t.detach() for t in tensors)
-        _HANDED_OVER.append(aliases)
+        with _HANDED_OVER_LOCK:
+            _HANDED_OVER.append(aliases)
         return aliases
 
     @staticmethod
@@ -493,6 +495,8 @@ class Communicator:
 
 # Aliases of every communicator's collectives that a worker may still hold (see the Note).
 _HANDED_OVER: list[tuple[torch.Tensor, ...]] = []
+# Collectives start from more than one thread (the walk's keeper, qgZ's helper): the list changes under a lock.
+_HANDED_OVER_LOCK = threading.Lock()
 
 
 def _python_refs(aliases: tuple[torch.Tensor, ...]) -> list[int]:
@@ -517,7 +521,8 @@ def _still_held(aliases: tuple[torch.Tensor, ...]) -> bool:
 
 def _forget_released() -> None:
     """Drop the aliases no work holds any more (ours is then the last reference)."""
-    _HANDED_OVER[:] = [aliases for aliases in _HANDED_OVER if _still_held(aliases)]
+    with _HANDED_OVER_LOCK:
+        _HANDED_OVER[:] = [aliases for aliases in _HANDED_OVER if _still_held(aliases)]
 
 
 def _settle(timeout_s: float) -> None:

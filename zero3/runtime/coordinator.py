@@ -67,6 +67,7 @@ from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.walk_keeper import WalkKeeper
 from zero3.rank_failure import raise_peer_failure
 
 
@@ -169,6 +170,8 @@ class ParamCoordinator:
         # The backward's last marker also says whether a rank has gradients to reduce late, and whether it failed.
         self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
+        # Issues a walk for this rank while its thread is away (a model's own collective: see the walk's Note).
+        self.keeper = WalkKeeper([self.forward_walk, self.backward_walk])
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
         self.state = TrainingState.IDLE
@@ -194,6 +197,7 @@ class ParamCoordinator:
 
     # ---- hook installation -------------------------------------------------
     def install(self) -> None:
+        self.keeper.start()
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         for mod, units in self._module_units.items():
             if not units:
@@ -204,6 +208,7 @@ class ParamCoordinator:
         self._handles.append(self.module.register_forward_hook(self._root_post_forward, always_call=True))
 
     def remove(self) -> None:
+        self.keeper.stop()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

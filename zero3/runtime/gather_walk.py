@@ -27,11 +27,29 @@ carries each rank's trace, from which every rank computes the same next
 No wait can hang: all ranks issue prefixes of one sequence, and the rank
 that is furthest behind waits only on entries every other rank has already
 issued, while any rank that has finished keeps walking until all have.
-(This holds while the engine's own gathers are the only collectives on the
-group during a pass: a model that issues its own collectives from forward
-must run them on every rank, as under DDP or FSDP.) When the ranks agree,
-which is the usual case, the sequence is exactly the trace, as plain
-prefetching would issue it, and the pass costs one MARK.
+When the ranks agree, which is the usual case, the sequence is exactly the
+trace, as plain prefetching would issue it, and the pass costs one MARK.
+
+[Note: the walk's keeper]
+A model may run its own collective inside forward or backward (a sync
+statistic, an all-reduce in an autograd function), on every rank as DDP and
+FSDP require. On ranks that took different routes, that breaks the argument
+above: a rank blocked in the model's all-reduce issues nothing, while a
+peer waits, before its own all-reduce, on a gather further along the
+sequence (often past a MARK) that only the blocked rank could pair. So each
+rank keeps a keeper thread (zero3.runtime.walk_keeper) that issues the
+sequence on the rank's behalf while its own thread is away from the walk:
+after KEEPER_IDLE_S it issues the rest of the current segment (what the
+rank's own end of pass would issue anyway), and after KEEPER_CROSS_S it
+issues the MARK too, with a flag that says "the keeper, not a need", and
+reads it. A MARK is also marked by the rank that crossed it for a need, or
+while draining; if any peer's row says so, the keeper issues the next
+segment for it, and so on. It never waits on a gather (it only issues;
+what it gathered is claimed or released by the rank's own thread), so it
+cannot block the job; and every rank still issues a prefix of the one
+sequence. A keeper's MARK says "not done", so a pass it crossed into ends
+one MARK later: the price of a model's collective meeting different routes,
+paid only when a rank's thread stayed away that long.
 
 A world of one has nothing to agree on: the walk then gathers only what is
 needed and prefetches along its own previous trace.
@@ -41,6 +59,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -55,21 +75,30 @@ from zero3.partition.unit import GatherUnit, UnitState
 log = logging.getLogger("zero3")
 
 MARK = -1  # a marker's place in the sequence (unit entries are indices >= 0)
+# A marker row: [done, beyond, trace length, trace..., extras...]. `beyond`: the rank crossed this MARK
+# because it needs an entry further on (not a keeper's crossing: see [Note: the walk's keeper]).
+DONE, BEYOND, TRACE_LEN, TRACE = 0, 1, 2, 3
+KEEPER_IDLE_S = 0.5  # the rank's thread away this long: its keeper issues the rest of the segment
+KEEPER_CROSS_S = 1.0  # away this long: the keeper crosses the MARK to see whether a peer needs more
 
 
 class LiveCount:
-    """Elements of non-persistent units that are gathered or in flight, kept up to date by the units' observer."""
+    """Elements of non-persistent units that are gathered or in flight, kept up to date by the units' observer
+    (from the rank's thread and its walk keeper: the count is locked)."""
 
     def __init__(self) -> None:
         self.numel = 0
+        self._lock = threading.Lock()
 
     def observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         if unit.persistent:
             return
         if old is UnitState.SHARDED and new is not UnitState.SHARDED:
-            self.numel += unit.numel
+            with self._lock:
+                self.numel += unit.numel
         elif new is UnitState.SHARDED and old is not UnitState.SHARDED:
-            self.numel -= unit.numel
+            with self._lock:
+                self.numel -= unit.numel
 
 
 def merge_traces(traces: Sequence[Sequence[int]]) -> list[int]:
@@ -160,6 +189,13 @@ class GatherWalk:
         self._throwaway_numel = 0
         self._markers: list[tuple[torch.Tensor, dist.Work | None]] = []
         self._warned_live = False
+        # The rank's thread and its keeper (see [Note: the walk's keeper]) take turns on the walk.
+        self.lock = threading.RLock()
+        self.in_pass = False
+        self._last_entry = time.monotonic()  # the rank's own thread's last call into the walk
+        self._keeper_marker: tuple[torch.Tensor, dist.Work | None] | None = None  # a crossing not yet read
+        self.keeper_gathers = 0  # entries the keeper issued (a fact for tests)
+        self._warned_keeper = False
 
     # ---- the agreed sequence ----------------------------------------------------
     def set_order(self, order: list[int]) -> None:
@@ -178,12 +214,22 @@ class GatherWalk:
 
     # ---- a pass ---------------------------------------------------------------------
     def begin(self) -> None:
-        self._pos = 0
-        self.trace = []
-        self._markers = []
+        with self.lock:
+            self._pos = 0
+            self.trace = []
+            self._markers = []
+            self._keeper_marker = None
+            self._last_entry = time.monotonic()
+            self.in_pass = True
 
     def fetch(self, unit: GatherUnit) -> None:
         """Make sure `unit` is gathered or in flight for this rank's use (the caller waits on it)."""
+        with self.lock:
+            self._last_entry = time.monotonic()
+            self._fetch(unit)
+            self._last_entry = time.monotonic()
+
+    def _fetch(self, unit: GatherUnit) -> None:
         if unit in self._unclaimed:
             self._claim(unit)
         elif unit.state is UnitState.SHARDED and unit in self._index:
@@ -201,6 +247,12 @@ class GatherWalk:
     def end(self, extra: Sequence[int] = ()) -> list[list[int]]:
         """Leave the pass on every rank at the same point; returns every rank's `extra` ints
         (`extra_len` of them, zero-filled)."""
+        with self.lock:
+            self.in_pass = False
+            self._keeper_marker = None
+            return self._end(extra)
+
+    def _end(self, extra: Sequence[int]) -> list[list[int]]:
         if len(extra) > self.extra_len:
             raise ValueError(f"the {self.name} walk carries {self.extra_len} extra ints, got {len(extra)}")
         extra = list(extra) + [0] * (self.extra_len - len(extra))
@@ -215,8 +267,9 @@ class GatherWalk:
         return extras
 
     def release_unclaimed(self) -> None:
-        while self._unclaimed:
-            self._release_oldest()
+        with self.lock:
+            while self._unclaimed:
+                self._release_oldest()
 
     # ---- walking --------------------------------------------------------------------
     def _walk_to(self, unit: GatherUnit) -> None:
@@ -225,7 +278,7 @@ class GatherWalk:
             entry = self._entry()
             self._pos += 1
             if entry == MARK:
-                self._issue_marker(done=False, payload=[0] * self.extra_len)
+                self._issue_marker(done=False, payload=[0] * self.extra_len, beyond=True)
             elif entry == target:
                 self._make_room(unit.numel)
                 unit.start_unshard(async_op=True)
@@ -318,16 +371,18 @@ class GatherWalk:
         self.comm.forget_released()
 
     # ---- markers --------------------------------------------------------------------
-    def _issue_marker(self, done: bool, payload: Sequence[int]) -> tuple[torch.Tensor, dist.Work | None]:
-        values = torch.zeros(2 + self._trace_cap + self.extra_len, dtype=torch.int64)
+    def _issue_marker(self, done: bool, payload: Sequence[int], beyond: bool = False
+                      ) -> tuple[torch.Tensor, dist.Work | None]:
+        values = torch.zeros(TRACE + self._trace_cap + self.extra_len, dtype=torch.int64)
+        values[BEYOND] = int(beyond)
         if done:
             trace = self.trace[: self._trace_cap]
-            values[0] = 1
-            values[1] = len(trace)
+            values[DONE] = 1
+            values[TRACE_LEN] = len(trace)
             if trace:
-                values[2 : 2 + len(trace)] = torch.tensor(trace, dtype=torch.int64)
+                values[TRACE : TRACE + len(trace)] = torch.tensor(trace, dtype=torch.int64)
             if payload:
-                values[2 + self._trace_cap :] = torch.tensor(list(payload), dtype=torch.int64)
+                values[TRACE + self._trace_cap :] = torch.tensor(list(payload), dtype=torch.int64)
         marker = self.comm.all_gather_control(values)
         self._markers.append(marker)
         return marker
@@ -342,11 +397,11 @@ class GatherWalk:
             result, work = self._issue_marker(done=True, payload=extra)
             if work is not None:
                 work.wait()
-            if bool(result[:, 0].all()):
+            if bool(result[:, DONE].all()):
                 break
-        traces = [row[2 : 2 + int(row[1])].tolist() for row in result]
+        traces = [row[TRACE : TRACE + int(row[TRACE_LEN])].tolist() for row in result]
         self.set_order(merge_traces(traces))
-        return [row[2 + self._trace_cap :].tolist() for row in result]
+        return [row[TRACE + self._trace_cap :].tolist() for row in result]
 
     def _finish_side_work(self) -> None:
         while self._throwaway:
@@ -355,3 +410,54 @@ class GatherWalk:
             if work is not None:
                 work.wait()
         self._markers = []
+
+    # ---- the keeper (see [Note: the walk's keeper]) --------------------------------------
+    def keep_up(self, now: float) -> None:
+        """The keeper's turn: issue the sequence on this rank's behalf while its thread stays away."""
+        if not self.lockstep or not self.in_pass or not self.sequence:
+            return
+        if not self.lock.acquire(blocking=False):
+            return  # the rank's own thread is in the walk
+        try:
+            if not self.in_pass:
+                return
+            idle = now - self._last_entry
+            if self._keeper_marker is not None:
+                rows, work = self._keeper_marker
+                if work is not None and not work.is_completed():
+                    return
+                self._keeper_marker = None
+                if not bool((rows[:, DONE] | rows[:, BEYOND]).any()):
+                    return  # every rank's thread is away too: nobody needs anything further
+                self._keep_to_mark()  # a peer is past this MARK: issue what it may wait on
+            elif idle >= KEEPER_IDLE_S and self._entry() != MARK:
+                self._keep_to_mark()
+            elif idle >= KEEPER_CROSS_S and self._entry() == MARK:
+                self._pos += 1
+                self._keeper_marker = self._issue_marker(done=False, payload=[0] * self.extra_len)
+        finally:
+            self.lock.release()
+
+    def _keep_to_mark(self) -> None:
+        """Issue every entry up to the next MARK without waiting on any (the rank's thread claims or
+        releases what was gathered; a spare gather is dropped at the pass's end), within
+        stage3_max_live_parameters: the keeper never holds more than the rank may."""
+        while self._entry() != MARK:
+            unit = self.units[self._entry()]
+            if self.live.numel + self._throwaway_numel + unit.numel > self.max_live_numel:
+                if not self._warned_keeper:
+                    self._warned_keeper = True
+                    log.warning(
+                        "zero3: the %s walk's keeper stopped at stage3_max_live_parameters=%d while this rank's "
+                        "thread was away (a model's own collective?); if the job hangs there, raise it",
+                        self.name, self.max_live_numel,
+                    )
+                return
+            self._pos += 1
+            self.keeper_gathers += 1
+            if unit.state is UnitState.SHARDED:
+                self._gather_unclaimed(unit)
+            else:
+                spare = unit.start_gather()
+                self._throwaway.append(spare)
+                self._throwaway_numel += spare.output.numel()
