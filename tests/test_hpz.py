@@ -154,10 +154,10 @@ def test_hpz_trains_bit_identically_to_plain_zero3_with_the_backward_gathering_o
         assert result["bytes"] == estimate(model=meta, ranks_per_node=2, nodes=2, settings=settings).model_state_bytes()
 
 
+# ZeRO-Offload (DeepSpeed #6926's case), and both tiers on disk (the parameters' shards come from the file,
+# and the secondary shards never do).
 TIERS = {
     "offload_optimizer cpu": lambda tmp: {"offload_optimizer": {"device": "cpu"}},
-    "offload_optimizer nvme": lambda tmp: {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp)}},
-    "offload_param cpu": lambda tmp: {"offload_param": {"device": "cpu"}},
     "optimizer and params on nvme": lambda tmp: {
         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp)},
         "offload_param": {"device": "nvme", "nvme_path": str(tmp)},
@@ -186,7 +186,7 @@ def test_an_hpz_checkpoint_resumes_with_the_uninterrupted_runs_losses(
     """DeepSpeed #7606: the first step after loading an hpZ checkpoint has a high loss. Here the resumed
     steps equal the uninterrupted run's, bit for bit, and so do the masters."""
     zero = {"zero_hpz_partition_size": 2}
-    uninterrupted = _run(zero, "bf16", None, None, None)
+    uninterrupted = plain["bf16"]  # hpZ trains bit-identically to it (the test above)
     _run(zero, "bf16", str(tmp_path))
     resumed = _run(zero, "bf16", None, None, str(tmp_path))
     for mine, theirs in zip(resumed, uninterrupted):

@@ -1,5 +1,6 @@
 """One rank's failure between steps is every rank's: initialize's checks, offload_states, reload_states,
-load_checkpoint, and a plain `loss.backward()` that raises on one rank. The fault is injected on one rank
+load_checkpoint, a plain `loss.backward()` that raises on one rank, and the user's code raising inside a
+`GatheredParameters` block on one rank (with and without a modifier rank). The fault is injected on one rank
 only; every rank must raise the same exception type naming the failing rank, no rank may hang (each
 spawn has a deadline), and nothing may be half-applied: after the failure, training goes on exactly as
 in a run that never saw it.
@@ -144,6 +145,18 @@ def scenario(rank: int, world: int, root: str) -> dict[str, Any]:
             out[f"between {where}"] = (type(error).__name__, str(error))
             engine.zero_grad()
         out[f"between {where} unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), reference))
+    # GatheredParameters: the failing rank's own code raises inside the block, while rank 0 edits under
+    # modifier_rank=0, or with no modifier. Every rank raises at the block's exit; no rank keeps the edit.
+    for modifier in (0, None):
+        def block(modifier: int | None = modifier) -> None:
+            with zero3.GatheredParameters(model.fc1.weight, modifier_rank=modifier):
+                if rank == 0 and modifier == 0:
+                    model.fc1.weight.data.add_(1.0)
+                if rank == FAILING_RANK:
+                    raise LookupError("the user's code in the block failed")
+
+        out[f"gathered {modifier}"] = caught(block)
+        out[f"gathered {modifier} unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), reference))
     train(engine, rank, world, 1, seed=3)
     out["trained_on"] = masters(model)
     engine.destroy()
@@ -179,6 +192,8 @@ def test_failures_between_steps_on_one_rank_are_every_ranks(tmp_path: Path, worl
     check("between data", "ValueError", "forward", "bad token")
     check("between loss", "FloatingPointError", "backward", "not finite")
     check("between gradients", "RuntimeError", "step", "gradient hook")
+    check("gathered 0", "LookupError", "GatheredParameters", "no rank kept an edit made in the block")
+    check("gathered None", "LookupError", "GatheredParameters", "no rank kept an edit made in the block")
     for rank, out in enumerate(results):
         assert out["offloaded_after_failure"] == [], (rank, out["offloaded_after_failure"])
         assert out["reload_again"] is None, out["reload_again"]
@@ -187,4 +202,5 @@ def test_failures_between_steps_on_one_rank_are_every_ranks(tmp_path: Path, worl
         assert out["after_plain_backward"]
         for where in ("data", "loss", "gradients"):
             assert out[f"between {where} unchanged"], (rank, where)
+        assert out["gathered 0 unchanged"] and out["gathered None unchanged"], rank
         assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"]))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from zero3.partition.sharded_param import ShardedParam, sharded
+from zero3.rank_failure import raise_peer_failure
 from zero3.partition.unit import GatherUnit, Hold, unit_of
 
 
@@ -83,19 +84,32 @@ class GatheredParameters:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Collective whatever happened in the block: if it raised on any rank, every rank raises (the
+        failing rank its own exception, the others one naming it) and no rank keeps the modifier's edit;
+        else the modifier's values become every rank's shards, or an edit without one is refused."""
         if not self.enabled:
             return
         edited: list[str] = []
         try:
-            if self.modifier_rank is None and exc_type is None and self.units:
+            comm = self.units[0].gather.comm if self.units else None
+            own: list[str] = []
+            if self.modifier_rank is None and exc is None:
                 own = sorted(sp.name for sp, pointer, version in self._versions
                              if sp.param.data_ptr() != pointer or sp.param._version != version)
-                comm = self.units[0].gather.comm
+            failed = edit = False
+            if comm is not None:
+                # One small all-reduce, on every rank: did any rank's block raise, did any edit without a
+                # modifier (the names travel only then). A rank that skipped it would leave the others waiting.
+                failed, edit = comm.any_of_flags([exc is not None, bool(own)])
+            if failed:
                 assert comm is not None
-                if comm.any_of_flags([bool(own)])[0]:  # one small all-reduce; the names travel only on an edit
-                    everyone = comm.all_gather_objects(own)
-                    edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
-            if self.modifier_rank is not None and exc_type is None:
+                raise_peer_failure(comm, "GatheredParameters", exc, " (no rank kept an edit made in the block)")
+                return  # this rank's own exception goes on
+            if edit:
+                assert comm is not None
+                everyone = comm.all_gather_objects(own)
+                edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
+            if self.modifier_rank is not None:
                 with torch.no_grad():
                     for unit in self.units:
                         assert unit.unsharded is not None

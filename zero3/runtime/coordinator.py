@@ -171,7 +171,7 @@ class ParamCoordinator:
         self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         # Issues a walk for this rank while its thread is away (a model's own collective: see the walk's Note).
-        self.keeper = WalkKeeper([self.forward_walk, self.backward_walk])
+        self.keeper = WalkKeeper([self.forward_walk, self.backward_walk], units[0].device if units else torch.device("cpu"))
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
         self.state = TrainingState.IDLE

@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import torch
+
 from zero3.runtime.gather_walk import GatherWalk
 
 log = logging.getLogger("zero3")
@@ -23,8 +25,9 @@ TICK_S = 0.05
 class WalkKeeper:
     """One daemon thread over a rank's walks (the forward's and the backward's)."""
 
-    def __init__(self, walks: Sequence[GatherWalk]) -> None:
+    def __init__(self, walks: Sequence[GatherWalk], device: torch.device) -> None:
         self.walks = [walk for walk in walks if walk.lockstep]
+        self.device = device  # a new thread's current CUDA device is 0: the keeper's is the rank's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -35,6 +38,8 @@ class WalkKeeper:
         self._thread.start()
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while not self._stop.wait(TICK_S):
             for walk in self.walks:
                 try:
