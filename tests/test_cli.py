@@ -206,12 +206,12 @@ def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp
 @pytest.mark.timeout(300)
 def test_train_on_two_nodes_ends_like_one_node_of_the_same_world(tmp_path: Path) -> None:
     """Two `zero3 train --nnodes 2 --nproc 2 --rdzv-endpoint ...` commands (two nodes on this machine) against one
-    `zero3 train --nproc 4`: the same world, the same batches, the same final loss; MiCS shard groups of 2 (a
-    node each on two nodes), through `--config`."""
+    `zero3 train --nproc 4`: the same world, the same batches, the same final loss; hpZ's secondary groups of
+    2 (a node each on two nodes), through `--config`. (MiCS on simulated nodes: tests/test_mics.py.)"""
     from tests.distributed import free_port
 
-    config = tmp_path / "mics.json"
-    config.write_text('{"zero_optimization": {"mics_shard_size": 2}}')
+    config = tmp_path / "hpz.json"
+    config.write_text('{"zero_optimization": {"zero_hpz_partition_size": 2}}')
     argv = ["train", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
             "--micro-batch", "2", "--precision", "fp32", "--steps", "6", "--log-every", "6", "--device", "cpu",
             "--config", str(config)]

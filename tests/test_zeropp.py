@@ -205,12 +205,13 @@ def _reduce_alone(rank: int, world: int, local_world: int, mics: int, bits: int)
 ])
 def test_qgz_reduction_is_the_sum_within_its_quantization_error(local_world: int, mics: int, layout: tuple) -> None:
     int4 = run_ranks(4, _reduce_alone, local_world, mics, 4)
-    int8 = run_ranks(4, _reduce_alone, local_world, mics, 8)
-    for coarse, fine in zip(int4, int8):
+    for coarse in int4:
         assert (coarse["inside"], coarse["across"]) == layout
-        # quantized, and by the bits asked (int4 rounds gaussian data to ~12% rms error at each of two steps)
-        assert 0 < fine["error"] < coarse["error"] < 0.3, (fine, coarse)
-        assert fine["error"] < 0.02
+        # quantized (int4 rounds gaussian data to ~12% rms error at each of two steps)
+        assert 0 < coarse["error"] < 0.3, coarse
+    if layout == (2, 2):  # and by the bits asked (the suite's time: one layout)
+        for coarse, fine in zip(int4, run_ranks(4, _reduce_alone, local_world, mics, 8)):
+            assert 0 < fine["error"] < 0.02 and fine["error"] < coarse["error"], (fine, coarse)
 
 
 def _quantized_with_tiers(rank: int, world: int, nvme: str) -> dict:
