@@ -130,8 +130,8 @@ def train_routed_sync(rank: int, world: int, zero: dict) -> dict:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("world", "zero"), [
-    (2, {}), (3, {"stage3_prefetch_bucket_size": 1500, "reduce_bucket_size": 2000}),
-], ids=["2-defaults", "3-small-prefetch"])
+    (3, {"stage3_prefetch_bucket_size": 1500, "reduce_bucket_size": 2000}),
+], ids=["3-small-prefetch"])
 def test_a_model_running_its_own_all_reduce_on_different_routes_trains_like_one_process(world: int, zero: dict) -> None:
     """Without the walk's keeper a rank blocks in the model's all-reduce while a peer waits on a gather that
     only the blocked rank can pair: both hang (see gather_walk's [Note: the walk's keeper]). The keeper
