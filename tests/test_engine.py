@@ -496,7 +496,7 @@ def test_plain_process_without_launcher_is_a_world_of_one(device: str) -> None:
     assert f"world 1 0 1 {device}" in out.stdout  # on CUDA where the device is not pinned to the CPU
 
 
-def errors(rank: int, world: int) -> list[str]:
+def errors(rank: int, world: int) -> dict:
     model = nn.Linear(4, 2)
     messages = []
     for call in (
@@ -508,19 +508,22 @@ def errors(rank: int, world: int) -> list[str]:
             call()
         except (ValueError, TypeError) as err:
             messages.append(str(err))
+    untouched = zero3.partition.sharded_param.sharded(model.weight) is None  # every refusal came before partitioning
     engine, *_ = zero3.initialize(model=nn.Linear(4, 2), config=cfg())
     try:
         engine.backward(engine(torch.randn(3, 4, device=engine.device)))
     except ValueError as err:
         messages.append(str(err))
     engine.destroy()
-    return messages
+    return {"messages": messages, "untouched": untouched}
 
 
 @ON_DEVICES
 def test_misuse_gives_clear_errors(device: str) -> None:
-    messages = run_ranks(1, errors)[0]
+    result = run_ranks(1, errors)[0]
+    messages = result["messages"]
     assert len(messages) == 4, messages
+    assert result["untouched"]
     assert "client optimizer (SGD)" in messages[0]
     assert "not a parameter of the model" in messages[1]
     assert "zero_optimization.stage" in messages[2]

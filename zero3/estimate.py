@@ -43,6 +43,7 @@ from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
+from zero3.partition.leaf_modules import leaf_of
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -193,7 +194,8 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             for name, p in model.named_parameters()
         }
         units, _, persistent = build_units(
-            model, ParamGather(mesh, None), settings.persistence_threshold, settings.model_persistence_threshold
+            model, ParamGather(mesh, None), settings.persistence_threshold, settings.model_persistence_threshold,
+            leaf_of(model),
         )
         all_units = units + ([persistent] if persistent is not None else [])  # the engine's all_units
         if settings.offload_param == "nvme":

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zero3
-from zero3.partition.init_context import gather_full_fp32
+from zero3.partition.collectives import gather_full_fp32
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.unit import unit_of
 

@@ -27,8 +27,7 @@ from zero3.offload.host import HostBufferPool
 from zero3.offload.optimizer_tier import DiskOptimizerStates, MemoryOptimizerStates, OptimizerStates
 from zero3.offload.param_tier import DiskShardTier, HostShardSource, split_units
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.partition.partitioner import consolidate_lp
-from zero3.partition.unit import GatherUnit
+from zero3.partition.unit import GatherUnit, ShardSource
 
 log = logging.getLogger("zero3")
 
@@ -128,6 +127,22 @@ class ParamLayout:
 
     buffers: list[FlatBuffer]
     disk_tier: DiskShardTier | None
+
+
+def consolidate_lp(
+    units: list[GatherUnit], dtype: torch.dtype, device: torch.device, name: str = "lp_params",
+    source: ShardSource | None = None,
+) -> FlatBuffer:
+    """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state);
+    `source` brings each unit's shard to the compute device when the buffer is not there."""
+    flat = FlatBuffer.zeros(name, sum(unit.shard_numel for unit in units), dtype, device, state="lp_params")
+    cursor = 0
+    for unit in units:
+        shards = [sp.lp_slot.read() for sp in unit.params]  # type: ignore[union-attr]
+        unit.assign_lp(flat, cursor, source)
+        torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
+        cursor += unit.shard_numel
+    return flat
 
 
 def lay_out_params(

@@ -50,27 +50,29 @@ def uses_muon(names: Iterable[str], param: nn.Parameter, shape: torch.Size, embe
     return not any(part in name for name in names for part in ADAMW_NAMES)
 
 
-def check_use_muon(model: nn.Module) -> None:
-    """Refuse `use_muon = True` on a parameter that is not a matrix, before anything is partitioned."""
-    for name, param in model.named_parameters():
-        record = getattr(param, "_zero3", None)  # under zero3.Init the parameter is already released
-        shape = record.shape if record is not None else param.shape
-        uses_muon([name], param, shape, set())
+def _shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's whole shape, also where zero3.Init has already released it."""
+    record = getattr(param, "_zero3", None)
+    return record.shape if record is not None else param.shape
 
 
 def split_groups(
-    groups: list[tuple[list[Any], dict[str, Any]]], model: nn.Module, settings: MuonParams,
-) -> list[tuple[list[Any], dict[str, Any]]]:
+    groups: list[tuple[list[nn.Parameter], dict[str, Any]]], model: nn.Module, settings: MuonParams,
+) -> list[tuple[list[nn.Parameter], dict[str, Any]]]:
     """Each group cut into its Muon matrices and the rest (the group's own options kept over the
-    kind's), all Muon groups first: their masters then lie at the start of the flat buffers."""
+    kind's), all Muon groups first: their masters then lie at the start of the flat buffers. First,
+    `use_muon = True` on any parameter of the model that is not a matrix is refused (before anything
+    is partitioned: zero3.optim.param_groups)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
+        uses_muon([name], param, _shape(param), set())  # the refusal
         names.setdefault(id(param), []).append(name)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     muon_groups, adam_groups = [], []
-    for sps, options in groups:
-        muon = [sp for sp in sps if uses_muon(names.get(id(sp.param), [sp.name]), sp.param, sp.shape, embeddings)]
-        rest = [sp for sp in sps if sp not in muon]
+    for params, options in groups:
+        muon = [p for p in params if uses_muon(names[id(p)], p, _shape(p), embeddings)]
+        chosen = {id(p) for p in muon}
+        rest = [p for p in params if id(p) not in chosen]
         if muon:
             muon_groups.append((muon, {**group_options(settings, True), **options}))
         if rest:

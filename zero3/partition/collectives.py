@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ import torch.distributed as dist
 from zero3.comm import Communicator
 from zero3.partition.quantize import BlockQuantizer
 from zero3.topology import ShardMesh
+
+if TYPE_CHECKING:
+    from zero3.partition.sharded_param import ShardedParam
 
 
 class ShardCodec(Protocol):
@@ -144,6 +147,15 @@ class ParamGather:
             cursor += size * numel
         torch.split_with_sizes_copy(gathered.view(size, sum(shard_numels)), shard_numels, dim=1, out=blocks)
         return laid_out
+
+
+def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device) -> torch.Tensor:
+    """The whole fp32 value of a partitioned parameter, on `device` (collective): from the fp32 master
+    seed where the shards are 16-bit (an fp32 shard already is exact), so no value goes through 16 bits."""
+    assert sp.lp_slot is not None, f"parameter {sp.name} has no shard storage"
+    seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()
+    out = gather.exact().gather(seed.to(device))
+    return out[: sp.numel].view(sp.shape).clone()
 
 
 class GradReduce:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
-from zero3.partition.collectives import ParamGather
+from zero3.partition.collectives import ParamGather, gather_full_fp32
 from zero3.topology import ShardMesh
 from zero3.partition.partitioner import Partitioner
 from zero3.partition.sharded_param import ShardedParam
@@ -58,15 +58,6 @@ def _func_name(func: Callable[..., Any]) -> tuple[str, bool]:
     if name in ("__get__", "__set__"):
         return getattr(getattr(func, "__self__", None), "__name__", name), name == "__get__"
     return name, False
-
-
-def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device) -> torch.Tensor:
-    """The whole fp32 value of a partitioned parameter, on `device` (collective): from the fp32 master
-    seed where the shards are 16-bit (an fp32 shard already is exact), so no value goes through 16 bits."""
-    assert sp.lp_slot is not None, f"parameter {sp.name} has no shard storage"
-    seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()
-    out = gather.exact().gather(seed.to(device))
-    return out[: sp.numel].view(sp.shape).clone()
 
 
 class _PartitionedWriteMode(TorchFunctionMode):

@@ -183,3 +183,13 @@ def set_leaves_by_granularity(model: nn.Module, threshold: int) -> list[nn.Modul
 
     choose(model)
     return leaves
+
+
+def mark_leaves(model: nn.Module, classes: Sequence[str], names: Sequence[str], name_suffixes: Sequence[str],
+                granularity_threshold: int) -> dict[nn.Module, nn.Module]:
+    """The engine's leaves, marked before anything is partitioned: the config's `leaf_module`, then
+    `stage3_module_granularity_threshold` where it is set; each module inside a leaf mapped to it (`leaf_of`)."""
+    apply_leaf_module_config(model, classes, names, name_suffixes)
+    if granularity_threshold > 0:
+        set_leaves_by_granularity(model, granularity_threshold)
+    return leaf_of(model)

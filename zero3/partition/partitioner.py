@@ -4,24 +4,61 @@
 returns, and the engine's build for whatever Init did not reach). `build_units` then groups the
 shards: one unit per module (or per leaf module), plus one persistent unit of the small
 parameters, and records which units each module's forward must hold. Units are per module, not
-chosen by the user as FSDP2's `fully_shard` calls are.
+chosen by the user as FSDP2's `fully_shard` calls are. `partition_model` is the engine build's
+whole partition stage, these steps in order (zero3.runtime.build's [Note: build order]).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zero3.partition import param_dict
-from zero3.partition.collectives import ParamGather
+from zero3.comm import Communicator
+from zero3.config import ZeroConfig
+from zero3.partition import ds_attributes, param_dict
+from zero3.partition.collectives import ParamGather, gather_full_fp32
 from zero3.partition.external import external_parameters
-from zero3.partition.leaf_modules import leaf_of
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition import ds_attributes
-from zero3.partition.unit import GatherUnit, ShardSource, unit_of
+from zero3.partition.quantize import QuantizedShards
+from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
+from zero3.partition.unit import GatherUnit, unit_of
+
+
+@dataclass
+class PartitionedModel:
+    """A model's parameters as the engine holds them: its gather units, the units each module's forward
+    holds, the persistent unit (small parameters kept gathered) and every sharded parameter, unit by unit."""
+
+    units: list[GatherUnit]
+    module_units: dict[nn.Module, list[GatherUnit]]
+    persistent_unit: GatherUnit | None
+
+    @property
+    def all_units(self) -> list[GatherUnit]:
+        return self.units + ([self.persistent_unit] if self.persistent_unit is not None else [])
+
+    @property
+    def sharded_params(self) -> list[ShardedParam]:
+        return [sp for unit in self.all_units for sp in unit.params]
+
+
+def partition_model(
+    model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype,
+    leaves: dict[nn.Module, nn.Module], zc: ZeroConfig,
+) -> PartitionedModel:
+    """The build's partition stage (collective): what zero3.Init did not partition (or partitioned over
+    another shard group) sharded on the engine's group, buffers moved, every parameter named; then the
+    units, with `leaves` (zero3.partition.leaf_modules' `mark_leaves`) gathered whole, and qwZ's quantized
+    gathers where the config asks for them."""
+    _partition(model, gather, device, dtype)
+    units, module_units, persistent_unit = build_units(
+        model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold, leaves
+    )
+    _quantize_gathers(units, gather, zc.zero_quantized_weights, zc.zero_quantized_nontrainable_weights)
+    return PartitionedModel(units, module_units, persistent_unit)
 
 
 class Partitioner:
@@ -37,10 +74,14 @@ class Partitioner:
         self.dtype = dtype
 
     def partition_module(self, module: nn.Module, label: str) -> GatherUnit | None:
+        """`module`'s own parameters that are not partitioned yet, sharded into one unit (None where there are
+        none); its reads of a partitioned parameter are reported from now on (zero3.partition.param_dict)."""
         fresh = [(name, p) for name, p in module._parameters.items() if p is not None and sharded(p) is None]
+        unit = self._shard(module, label, fresh) if fresh else None
         param_dict.install(module)
-        if not fresh:
-            return None
+        return unit
+
+    def _shard(self, module: nn.Module, label: str, fresh: list[tuple[str, nn.Parameter]]) -> GatherUnit:
         values = self._broadcast_values([p for _, p in fresh])
         # A parameter on the meta device cannot take real storage in place (its tensor type differs): it
         # is replaced, before anyone holds it, by one on the engine device (built this moment: skip_init),
@@ -56,13 +97,12 @@ class Partitioner:
             ShardedParam(p, f"{label}.{name}" if label else name, self.gather.mesh, self.dtype, self.device)
             for name, p in fresh
         ]
+        seeds = [sp.shard_of(full).float() for sp, full in zip(sps, values)]
         for sp in sps:
             ds_attributes.wear(sp)
         unit = GatherUnit(sps, self.gather, label or type(module).__name__)
-        buffer = FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device)
-        unit.assign_lp(buffer, 0)
-        for sp, full in zip(sps, values):
-            seed = sp.shard_of(full).float()
+        unit.assign_lp(FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device), 0)
+        for sp, seed in zip(sps, seeds):
             sp.lp_shard().copy_(seed)
             # The fp32 master starts from the exact init; an fp32 shard already is it (no second copy).
             sp.hp_seed = seed if self.dtype != torch.float32 else None
@@ -89,12 +129,14 @@ class Partitioner:
 
 def build_units(
     model: nn.Module, gather: ParamGather, threshold: int, model_threshold: int = sys.maxsize,
+    leaves: dict[nn.Module, nn.Module] | None = None,
 ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
     """One unit per module (the parameters it owns first), or per leaf module (its descendants' too:
-    zero3.partition.leaf_modules), one for every parameter of at most `threshold` elements (kept
-    whole: the persistent unit) while the persistent ones total at most `model_threshold` elements
-    (DeepSpeed's rule, in parameter order), and each module's units to gather."""
-    leaves = leaf_of(model)
+    `leaves`, zero3.partition.leaf_modules' `leaf_of` map; None: no leaves), one for
+    every parameter of at most `threshold` elements (kept whole: the persistent unit) while the
+    persistent ones total at most `model_threshold` elements (DeepSpeed's rule, in parameter order),
+    and each module's units to gather."""
+    leaves = leaves or {}
     seen: set[int] = set()
     # (label, its parameters) in module order; a leaf's list also collects its descendants'.
     groups: list[tuple[str, list[ShardedParam]]] = []
@@ -144,17 +186,53 @@ def build_units(
     return units, module_units, persistent_unit
 
 
-def consolidate_lp(
-    units: list[GatherUnit], dtype: torch.dtype, device: torch.device, name: str = "lp_params",
-    source: ShardSource | None = None,
-) -> FlatBuffer:
-    """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state);
-    `source` brings each unit's shard to the compute device when the buffer is not there."""
-    flat = FlatBuffer.zeros(name, sum(unit.shard_numel for unit in units), dtype, device, state="lp_params")
-    cursor = 0
+def _partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
+    """Partition what zero3.Init did not, move buffers, and name every parameter. A parameter zero3.Init (or
+    zero3.MiCS_Init) partitioned over another number of ranks than the engine's shard group (MiCS, a mesh)
+    is gathered whole and partitioned again, one module at a time (so no more than a module is whole)."""
+    partitioner = Partitioner(gather, device, dtype)
+    for name, module in model.named_modules():
+        _unpartition_other_layout(module, gather, device)
+        partitioner.partition_module(module, name)
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[key] = buf.to(device)
+    for name, param in model.named_parameters():
+        sp = sharded(param)
+        assert sp is not None
+        sp.name = name
+        if sp.dtype != dtype or sp.placeholder.device != device:
+            raise ValueError(
+                f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
+                f"computes in {dtype} on {device}: pass the same config to zero3.Init"
+            )
+
+
+def _unpartition_other_layout(module: nn.Module, gather: ParamGather, device: torch.device) -> None:
+    """`module`'s own parameters that zero3.Init sharded over another shard group than the engine's, made
+    whole again (collective, over the group they were sharded on, in module order on every rank)."""
+    pending = [(param, sp) for param in module._parameters.values()
+               if param is not None and (sp := sharded(param)) is not None and sp.mesh.shard_size != gather.mesh.shard_size]
+    if not pending:
+        return
+    fulls = [gather_full_fp32(sp, ParamGather(sp.mesh, Communicator()), device) for _, sp in pending]
+    units = {id(unit): unit for _, sp in pending if (unit := unit_of(sp)) is not None}
+    for unit in units.values():
+        unit.close()  # zero3.Init's unit: it let go of these parameters, so the engine's layout takes them
+    for (param, _), full in zip(pending, fulls):
+        delattr(param, ATTR)
+        with torch.no_grad():
+            param.data = full
+
+
+def _quantize_gathers(units: list[GatherUnit], gather: ParamGather, weights: bool, nontrainable: bool) -> None:
+    """qwZ: the units' all-gathers carry int8 blocks (zero3.partition.quantize), every unit's with
+    `zero_quantized_weights`, only frozen units' with `zero_quantized_nontrainable_weights`. The persistent
+    unit, gathered once and kept, and every path that keeps what it gathers (the engine's own `gather`)
+    stay exact."""
+    if not (weights or nontrainable) or not gather.mesh.sharded:
+        return
+    quantized = ParamGather(gather.mesh, gather.comm, QuantizedShards())
     for unit in units:
-        shards = [sp.lp_slot.read() for sp in unit.params]  # type: ignore[union-attr]
-        unit.assign_lp(flat, cursor, source)
-        torch._foreach_copy_([sp.lp_shard() for sp in unit.params], shards)
-        cursor += unit.shard_numel
-    return flat
+        if weights or not any(sp.param.requires_grad for sp in unit.params):
+            unit.gather = quantized

@@ -1,8 +1,12 @@
 """An engine's parts, built and wired in one place, and closed in one place.
 
 [Note: build order]
-Parameters are partitioned first (what zero3.Init did not), then grouped into
-units; the tiers lay the 16-bit shards out (memory, host, disk); the gradient
+One pass down. The optimizer's groups are checked and chosen first, on the
+model's own parameters (zero3.optim.param_groups: a bad group changes
+nothing); the leaves are marked; then the partition stage
+(zero3.partition.partitioner's `partition_model`): parameters are partitioned
+(what zero3.Init did not) and grouped into units; the tiers lay the 16-bit
+shards out (memory, host, disk); the gradient
 shards come before the reducer and the optimizer, which both use them; the
 reducer comes before the optimizer, whose sub-groups are cut to fit the
 reducer's idle scratch; the coordinator and the gradient hooks come last,
@@ -31,19 +35,17 @@ from zero3.offload.param_tier import DiskShardTier
 from zero3.offload.tiers import (
     check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states, step_device,
 )
-from zero3.optim.muon import check_use_muon, split_groups
+from zero3.optim.param_groups import plan_groups
 from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.partition.leaf_modules import apply_leaf_module_config, set_leaves_by_granularity
-from zero3.partition.partitioner import Partitioner, build_units
+from zero3.partition.leaf_modules import mark_leaves
+from zero3.partition.partitioner import partition_model
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.topology import ShardMesh
-from zero3.partition.init_context import gather_full_fp32
-from zero3.partition.quantize import QuantizedShards
 from zero3.partition.secondary import SecondaryShards
-from zero3.partition.unit import GatherUnit, Hold, UnitState, unit_of
+from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
@@ -179,24 +181,15 @@ def build(
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
     state_layout = probe(spec, step_device(config, device)) if spec is not None else None
-    if spec is not None and spec.muon is not None:
-        check_use_muon(model)
-    partition(model, gather, device, compute_dtype)
+    group_plan = plan_groups(model, model_parameters, spec) if spec is not None else []
     leaf = zc.leaf_module
-    apply_leaf_module_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
-    if zc.stage3_module_granularity_threshold > 0:
-        set_leaves_by_granularity(model, zc.stage3_module_granularity_threshold)
-    units, module_units, persistent_unit = build_units(
-        model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
-    )
-    quantize_gathers(units, gather, zc.zero_quantized_weights, zc.zero_quantized_nontrainable_weights)
-    all_units = units + ([persistent_unit] if persistent_unit is not None else [])
-    sharded_params = [sp for unit in all_units for sp in unit.params]
-    if spec is not None and spec.groups is not None:
-        model_parameters = [{"params": params, **options} for params, options in zip(spec.groups, spec.group_options)]
-    groups = optimizer_groups(model, model_parameters, sharded_params) if spec is not None else []
-    if spec is not None and spec.muon is not None:
-        groups = split_groups(groups, model, spec.muon)  # matrices to Muon, the rest to AdamW
+    leaves = mark_leaves(model, leaf.classes, leaf.names, leaf.name_suffixes, zc.stage3_module_granularity_threshold)
+    parted = partition_model(model, gather, device, compute_dtype, leaves, zc)
+    units, persistent_unit = parted.units, parted.persistent_unit
+    all_units, sharded_params = parted.all_units, parted.sharded_params
+    named = dict(model.named_parameters())  # (the names the plan holds: partitioning kept them)
+    groups: ParamGroups = [([sharded(named[name]) for name in names], options)  # type: ignore[misc]
+                           for names, options in group_plan]
 
     # One I/O layer and one host-buffer pool for the tiers and for offload_states (zero3.offload).
     disk = ThreadPoolFileIO(rank, config.aio.block_size, config.aio.thread_count * config.aio.queue_depth)
@@ -244,7 +237,7 @@ def build(
         # hpZ: the persistent unit stays gathered, so only the others keep a secondary shard.
         secondary = SecondaryShards(units, gather.mesh, topology.secondary, comm, device, compute_dtype)
     coordinator = ParamCoordinator(
-        model, units, module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
+        model, units, parted.module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
         zc.stage3_max_live_parameters, persistent_unit, grads, secondary,
     )
     offloader = StateOffloader(
@@ -275,19 +268,6 @@ def grad_reduce(mesh: ShardMesh, comm: Communicator) -> GradReduce:
     return QuantizedGradReduce(mesh, comm, topology.grads_inside.shard_size, topology.grads_across.shard_size)
 
 
-def quantize_gathers(units: list[GatherUnit], gather: ParamGather, weights: bool, nontrainable: bool) -> None:
-    """qwZ: the units' all-gathers carry int8 blocks (zero3.partition.quantize), every unit's with
-    `zero_quantized_weights`, only frozen units' with `zero_quantized_nontrainable_weights`. The persistent
-    unit, gathered once and kept, and every path that keeps what it gathers (the engine's own `gather`)
-    stay exact."""
-    if not (weights or nontrainable) or not gather.mesh.sharded:
-        return
-    quantized = ParamGather(gather.mesh, gather.comm, QuantizedShards())
-    for unit in units:
-        if weights or not any(sp.param.requires_grad for sp in unit.params):
-            unit.gather = quantized
-
-
 def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:
     """The flat buffers that hold a state (the scratch bucket is the reducer's: asked directly)."""
     if state is OffloadStateType.lp_params:
@@ -301,71 +281,3 @@ def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None,
     if state is OffloadStateType.optim_states:
         return list(optimizer.moments.values())
     return []
-
-
-def partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
-    """Partition what zero3.Init did not, move buffers, and name every parameter. A parameter zero3.Init (or
-    zero3.MiCS_Init) partitioned over another number of ranks than the engine's shard group (MiCS, a mesh)
-    is gathered whole and partitioned again, one module at a time (so no more than a module is whole)."""
-    partitioner = Partitioner(gather, device, dtype)
-    for name, module in model.named_modules():
-        _unpartition_other_layout(module, gather, device)
-        partitioner.partition_module(module, name)
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.device != device:
-                module._buffers[key] = buf.to(device)
-    for name, param in model.named_parameters():
-        sp = sharded(param)
-        assert sp is not None
-        sp.name = name
-        if sp.dtype != dtype or sp.placeholder.device != device:
-            raise ValueError(
-                f"parameter {name} was partitioned as {sp.dtype} on {sp.placeholder.device}, but the engine "
-                f"computes in {dtype} on {device}: pass the same config to zero3.Init"
-            )
-
-
-def _unpartition_other_layout(module: nn.Module, gather: ParamGather, device: torch.device) -> None:
-    """`module`'s own parameters that zero3.Init sharded over another shard group than the engine's, made
-    whole again (collective, over the group they were sharded on, in module order on every rank)."""
-    pending = [(param, sp) for param in module._parameters.values()
-               if param is not None and (sp := sharded(param)) is not None and sp.mesh.shard_size != gather.mesh.shard_size]
-    if not pending:
-        return
-    fulls = [gather_full_fp32(sp, ParamGather(sp.mesh, Communicator()), device) for _, sp in pending]
-    units = {id(unit): unit for _, sp in pending if (unit := unit_of(sp)) is not None}
-    for unit in units.values():
-        unit.close()  # zero3.Init's unit: it let go of these parameters, so the engine's layout takes them
-    for (param, _), full in zip(pending, fulls):
-        delattr(param, ATTR)
-        with torch.no_grad():
-            param.data = full
-
-
-def optimizer_groups(
-    model: nn.Module, model_parameters: Iterable[Any] | None, sharded_params: list[ShardedParam],
-) -> ParamGroups:
-    """The trained parameters of each group `model_parameters` names (default: one group of all)."""
-    entries = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    if entries and all(isinstance(e, dict) for e in entries):
-        raw_groups = [(list(e["params"]), {k: v for k, v in e.items() if k != "params"}) for e in entries]
-    elif all(isinstance(e, torch.Tensor) for e in entries):
-        raw_groups = [(entries, {})]
-    else:
-        raise TypeError("model_parameters must be parameters or parameter-group dicts with a 'params' key")
-    owned = {id(sp.param) for sp in sharded_params}
-    seen: set[int] = set()
-    groups: ParamGroups = []
-    for params, options in raw_groups:
-        sps: list[ShardedParam] = []
-        for param in params:
-            if id(param) not in owned:
-                raise ValueError(
-                    f"model_parameters holds a tensor of shape {tuple(param.shape)} that is not a parameter of the model"
-                )
-            if id(param) in seen or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            sps.append(sharded(param))  # type: ignore[arg-type]
-        groups.append((sps, options))
-    return groups
