@@ -204,3 +204,52 @@ def test_failures_between_steps_on_one_rank_are_every_ranks(tmp_path: Path, worl
             assert out[f"between {where} unchanged"], (rank, where)
         assert out["gathered 0 unchanged"] and out["gathered None unchanged"], rank
         assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"]))
+
+
+def failing_fetch_on_enter(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The parameters live on disk (offload_param nvme); the failing rank's reads of them fail, every
+    time, while it enters a GatheredParameters block (with and without a modifier rank)."""
+    tier = os.path.join(root, f"params-rank{rank}")
+    os.makedirs(tier, exist_ok=True)
+    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "offload_param": {
+        "device": "nvme", "nvme_path": tier, "max_in_cpu": 0}}}
+    out: dict[str, Any] = {}
+    engine, model = engine_and_model(config)
+    train(engine, rank, world, 1)
+    out["reference"] = masters(model)
+    undo = on_failing_rank(rank, disk_io, "_pread_all",
+                           lambda fd, into, offset, path, read=disk_io._pread_all: read(-1, into, offset, path))
+    for modifier in (0, None, 0):  # the fault persists: the second entry with a modifier fails as the first
+        def block(modifier: int | None = modifier) -> None:
+            with zero3.GatheredParameters([model.fc1.weight, model.fc2.weight], modifier_rank=modifier):
+                model.fc1.weight.data.add_(1.0)
+
+        out.setdefault("entered", []).append(caught(block))
+    undo()
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), out["reference"]))
+    with zero3.GatheredParameters(model.fc1.weight):
+        out["whole"] = model.fc1.weight.detach().clone()
+    train(engine, rank, world, 1, seed=3)
+    out["trained_on"] = masters(model)
+    engine.destroy()
+    engine, model = engine_and_model(config)  # the same two steps, no fault
+    train(engine, rank, world, 1)
+    train(engine, rank, world, 1, seed=3)
+    out["reference_trained_on"] = masters(model)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_fetch_on_entering_gathered_parameters_raises_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(2, failing_fetch_on_enter, str(tmp_path))
+    for rank, out in enumerate(results):
+        assert len(out["entered"]) == 3, out["entered"]
+        for seen in out["entered"]:
+            assert seen is not None and seen[0] == "OSError", (rank, seen)
+            if rank != FAILING_RANK:
+                assert seen[1].startswith(f"rank {FAILING_RANK} failed in GatheredParameters: OSError: "), seen
+                assert "nothing was gathered" in seen[1], seen
+        assert out["unchanged"], rank
+        assert torch.equal(out["whole"], out["reference"][0]), rank
+        assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"])), rank

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.rank_failure import raise_peer_failure
+from zero3.rank_failure import raise_agreed_failure, raise_peer_failure
 from zero3.partition.unit import GatherUnit, Hold, unit_of
 
 
@@ -62,6 +62,7 @@ class GatheredParameters:
             return self
         for unit in self.units:
             unit.acquire(Hold.PIN)
+        self._prepare()
         for unit in self.units:  # issue every all-gather before waiting on any (exactly, under qwZ)
             unit.fetch(exact=True)
         for unit in self.units:
@@ -80,6 +81,30 @@ class GatheredParameters:
         # to say so then (DeepSpeed raises on every rank, too).
         self._versions = [(sp, sp.param.data_ptr(), sp.param._version) for sp in self.listed]
         return self
+
+    def _prepare(self) -> None:
+        """Between passes, each rank brings in the shards it will send from their tier (host memory beside a
+        GPU, or disk: reads that can fail on one rank alone) before any all-gather is issued, and the ranks
+        agree that every one could: where one could not, every rank raises (that rank its own exception, the
+        others one naming it) with nothing gathered, rather than leaving the others in gathers it never
+        joins. Shards that live on the device need no agreement (a view of them cannot fail), and whether
+        a unit has a tier is the config's, the same on every rank. Inside a pass the walk gathers, and a
+        failure there is the pass's (zero3.runtime.gather_walk)."""
+        direct = [unit for unit in self.units if unit.gathers_directly()]
+        comm = self.units[0].gather.comm if self.units else None
+        if comm is None or not any(unit.source is not None for unit in direct):
+            return
+        own: Exception | None = None
+        try:
+            for unit in direct:
+                unit.prepare_gather(exact=True)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, below
+            own = error
+        if comm.any_of_flags([own is not None])[0]:
+            for unit in self.units:
+                unit.drop_prepared()
+                unit.release(Hold.PIN)
+            raise_agreed_failure(comm, "GatheredParameters", own, " (on entering the block; nothing was gathered)")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -68,6 +68,10 @@ class UnitDriver(Protocol):
 
     def fetch(self, unit: "GatherUnit", exact: bool = False) -> None: ...
 
+    def gathers_directly(self) -> bool:
+        """Whether a fetch now starts the unit's own all-gather (between passes), not the pass's walk."""
+        ...
+
 
 class GatherUnit:
     def __init__(self, params: list[ShardedParam], gather: ParamGather, label: str, persistent: bool = False) -> None:
@@ -94,6 +98,8 @@ class GatherUnit:
         self._driver: UnitDriver | None = None  # the runtime driving the gathers, while one does
         # Where the shard comes from when it does not live on the device (None: the lp slot's view).
         self.source: ShardSource | None = None
+        # This rank's shard, brought in ahead of the gather that sends it (`prepare_gather`).
+        self._prepared: torch.Tensor | None = None
         # hpZ's secondary shards, where the engine keeps them (zero3.partition.secondary).
         self.secondary: SecondaryShards | None = None
         # Whether the gathered values are the shards' own: False after a quantized gather (qwZ's codec on
@@ -149,12 +155,32 @@ class GatherUnit:
         else:
             self.start_unshard(async_op=True, exact=exact)
 
+    def gathers_directly(self) -> bool:
+        """Whether `fetch` now starts the unit's own all-gather (no runtime, or between its passes)."""
+        return self._driver is None or self._driver.gathers_directly()
+
+    def will_gather(self, exact: bool = False) -> bool:
+        """Whether `start_unshard(exact=exact)` would issue an all-gather now."""
+        stale_values = exact and self.state is UnitState.UNSHARDED and not self.exact_values
+        return (self.state is UnitState.SHARDED or stale_values) and not self.gathers_in_place
+
+    def prepare_gather(self, exact: bool = False) -> None:
+        """Bring this rank's shard in now (a tier's read from host memory or disk: the local part of a
+        gather, which can fail on one rank alone), so the gather `start_unshard` issues next sends it."""
+        if self.will_gather(exact) and self._prepared is None:
+            self._prepared = self.local_shard()
+
+    def drop_prepared(self) -> None:
+        """Let go of a shard `prepare_gather` brought in and no gather sent."""
+        self._prepared = None
+
     def start_unshard(self, async_op: bool, exact: bool = False) -> None:
         """Issue the all-gather (SHARDED -> INFLIGHT). No-op unless SHARDED; gathered with quantized values
         (qwZ), an `exact` one gathers again, exactly."""
         if exact and self.state is UnitState.UNSHARDED and not self.exact_values:
             self.reshard()
         if self.state is not UnitState.SHARDED:
+            self._prepared = None
             return
         if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
@@ -163,6 +189,7 @@ class GatherUnit:
             self._pending = self.gather.exact().start(self.local_shard())
         else:
             self._pending = self.start_gather()
+        self._prepared = None  # (sent, or not needed: hpZ's gather from the secondary shards)
         self.exact_values = exact or self.gather.codec is None
         self._set_state(UnitState.INFLIGHT)
         if not async_op:
@@ -196,7 +223,10 @@ class GatherUnit:
         self._set_state(UnitState.UNSHARDED)
 
     def local_shard(self) -> torch.Tensor:
-        """This rank's shard on the unit's device, ready to all-gather."""
+        """This rank's shard on the unit's device, ready to all-gather (the one `prepare_gather` brought in,
+        if it did)."""
+        if self._prepared is not None:
+            return self._prepared
         if self.source is not None:
             return self.source.acquire(self)
         assert self.lp_slot is not None, f"unit {self.label} has no shard storage"

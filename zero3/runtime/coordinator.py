@@ -243,6 +243,9 @@ class ParamCoordinator:
     def live_numel(self) -> int:
         return self.live.numel
 
+    def gathers_directly(self) -> bool:
+        return self._walk is None
+
     def fetch(self, unit: GatherUnit, exact: bool = False) -> None:
         """Start gathering a unit this rank needs now: through the pass's walk (as the pass gathers it), or
         directly between passes (`exact`: never from quantized values)."""
