@@ -144,3 +144,48 @@ def test_the_safe_family_reads_and_writes_every_copy_at_two_ranks(tmp_path: Any,
         assert out["parked_write"] is not None and "reload_states()" in out["parked_write"]
         assert "fc2.weight has shape (64, 64), the value (3,)" in out["shape_error"], out["shape_error"]
         assert out["unstepped"] is not None and "before its first step" in out["unstepped"]
+
+
+def set_on_one_rank(rank: int, world: int, how: str) -> dict[str, Any]:
+    """Rank 1 alone gives one persistent parameter (fc3.bias: kept gathered on every rank) and one sharded
+    weight new values for its shard: with `safe_set_local_fp32_param` on that rank only ("local"), or with
+    the same whole values (rank 1's new shard beside the others' old ones) through `safe_set_full_fp32_param`
+    on every rank ("full"). Then training goes on."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = zero3.initialize(model=model, config=CONFIG)[0]
+    losses = []
+
+    def train(steps: int, seed: int) -> None:
+        for x, y in models.batches("x8", steps, 2 * world, seed=seed):
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+
+    train(1, seed=0)
+    for param in (model.fc3.bias, model.fc2.weight):
+        whole = zero3.safe_get_full_fp32_param(param).reshape(-1)  # on every rank, in both runs
+        shard_numel = param.ds_tensor.numel()
+        start, end = shard_numel, min(2 * shard_numel, whole.numel())  # rank 1's elements
+        if how == "full":
+            whole[start:end] += 1.0
+            zero3.safe_set_full_fp32_param(param, whole.view(param.ds_shape))
+        elif rank == 1:
+            shard = zero3.safe_get_local_fp32_param(param).clone()
+            shard[: end - start] += 1.0
+            zero3.safe_set_local_fp32_param(param, shard)
+    train(2, seed=1)
+    out = {"losses": losses, "masters": [zero3.safe_get_full_fp32_param(p) for p in model.parameters()]}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_local_setter_on_one_rank_starts_no_collective_of_its_own(world: int) -> None:
+    local = run_ranks(world, set_on_one_rank, "local")
+    full = run_ranks(world, set_on_one_rank, "full")
+    for rank in range(world):
+        assert local[rank]["losses"] == full[rank]["losses"], (rank, local[rank]["losses"], full[rank]["losses"])
+        assert all(torch.equal(a, b) for a, b in zip(local[rank]["masters"], full[rank]["masters"])), rank

@@ -111,7 +111,9 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """This rank's shard of the parameter: its master and its 16-bit shard (for a frozen parameter, the
-    16-bit shard). Call it on every rank, each with its own shard."""
+    16-bit shard). Local: it may be called on one rank alone. A copy gathered now (a persistent
+    parameter's) holds the other ranks' shards too: the next forward agrees on one flag, and every rank
+    gathers it again (zero3.runtime.coordinator), so the setting rank never gathers alone."""
     sp = require_sharded(param, "safe_set_local_fp32_param")
     shard = _local_value(sp, value, "safe_set_local_fp32_param")
     slots = master_slots(sp)

@@ -238,6 +238,7 @@ class GatherUnit:
 
     def reshard(self) -> None:
         """Drop the gathered values (-> SHARDED). An in-flight gather is completed first."""
+        self.stale = False  # (what was gathered is dropped: the next gather reads every shard as it is)
         if self.state is UnitState.SHARDED:
             return
         self.wait()

@@ -275,10 +275,12 @@ class ParamCoordinator:
             return
         persistent = self.persistent_unit
         if persistent is not None:
-            if persistent.stale:  # a local setter changed shards of it (zero3.accessors)
+            # A local setter changed some rank's shards of it (zero3.accessors), maybe on that rank alone:
+            # every rank gathers it again, so no rank gathers alone. One flag, agreed on the control group
+            # (not inside a backward, whose walk's keeper may be using that group: the next forward does it).
+            if self.state is not TrainingState.BACKWARD and self.comm.any_of_flags([persistent.stale])[0]:
                 persistent.reshard()
-                persistent.stale = False
-            persistent.unshard()  # no-op unless an offload of lp_params released it
+            persistent.unshard()  # no-op unless an offload of lp_params released it, or it was stale
         self._release_root_returned()
         # A forward inside backward (a checkpointed root) gathers along the backward walk.
         if self.state is TrainingState.BACKWARD:
