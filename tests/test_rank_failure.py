@@ -114,3 +114,96 @@ def test_a_failure_that_cannot_be_rebuilt_under_its_type_is_a_rank_failed_error(
     assert isinstance(rebuild("no.such.module", "Gone", "m"), zero3.RankFailedError)
     assert type(rebuild("builtins", "KeyError", "m")) is zero3.RankFailedError  # KeyError('m') reads "'m'"
     assert type(rebuild("torch", "OutOfMemoryError", "m")) is torch.OutOfMemoryError
+
+
+def run_persistent(rank: int, world: int, kind: str, where: str, root: str, extra: dict) -> dict:
+    """`run`'s pattern with a fault that fires on every call from BAD_STEP's forward (or backward) on until
+    every rank has raised and called zero_grad: every allocation of a gather output on the failing rank
+    ("alloc"), or every read of its parameter tier's files ("read", the parameters on disk). Following the
+    pass through to its end must not meet the fault again (zero3.runtime.gather_walk's Note)."""
+    from zero3.offload import disk as disk_io
+    from zero3.partition.collectives import ParamGather
+    from zero3.partition.secondary import SecondaryShards
+
+    zero = {"offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}} if kind == "read" else {}
+    zero = {**zero, **extra}
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = zero3.initialize(model=model, config={**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"],
+                                                                                   **zero}})[0]
+    armed = [False]
+    secondary_stand_ins = [0]
+    if rank == FAILING_RANK:
+        start, read = ParamGather.start, disk_io._pread_all
+
+        def failing_start(self, shard, output=None):  # type: ignore[no-untyped-def]
+            if armed[0] and kind == "alloc" and output is None:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+            return start(self, shard, output)
+
+        def failing_read(fd, into, offset, path):  # type: ignore[no-untyped-def]
+            return read(-1 if armed[0] and kind == "read" else fd, into, offset, path)
+
+        secondary_start = SecondaryShards.start_gather
+
+        def failing_secondary_start(self, unit):  # type: ignore[no-untyped-def]
+            if armed[0] and kind == "alloc" and self.usable(unit):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+            return secondary_start(self, unit)
+
+        secondary_stand_in = SecondaryShards.start_stand_in
+
+        def counted_secondary_stand_in(self, unit, reserve):  # type: ignore[no-untyped-def]
+            secondary_stand_ins[0] += 1
+            return secondary_stand_in(self, unit, reserve)
+
+        ParamGather.start = failing_start  # type: ignore[method-assign]
+        SecondaryShards.start_gather = failing_secondary_start  # type: ignore[method-assign]
+        SecondaryShards.start_stand_in = counted_secondary_stand_in  # type: ignore[method-assign]
+        disk_io._pread_all = failing_read
+    seen: list[tuple[str, str] | None] = []
+    for step, (x, y) in enumerate(models.batches("x8", STEPS, 2 * world)):
+        try:
+            armed[0] = step == BAD_STEP and where == "forward"
+            loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+            armed[0] = armed[0] or (step == BAD_STEP and where == "backward")
+            engine.backward(loss)
+        except Exception as error:  # noqa: BLE001 - the pattern under test
+            seen.append((type(error).__name__, str(error)))
+            engine.zero_grad()  # (the fault still fires here)
+            armed[0] = False
+            continue
+        engine.step()
+        seen.append(None)
+    stand_ins = engine.parts.coordinator.forward_walk.stand_ins + engine.parts.coordinator.backward_walk.stand_ins
+    full = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+    engine.destroy()
+    return {"seen": seen, "full": full, "stand_ins": stand_ins, "secondary_stand_ins": secondary_stand_ins[0],
+            "reference": run(rank, world, None, zero=zero) if where == "forward" else None}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, kind, extra", [
+    (2, "alloc", {}), (2, "read", {}),
+    (3, "alloc", {"zero_quantized_weights": True}),  # the stand-ins carry qwZ's wire format
+    (4, "alloc", {"zero_hpz_partition_size": 2}),  # the backward's stand-ins are hpZ's secondary gathers
+], ids=["alloc", "read", "alloc-3-qwz", "alloc-4-hpz"])
+def test_a_fault_that_repeats_while_the_failed_rank_follows_the_pass_through(
+    world: int, kind: str, extra: dict, tmp_path,
+) -> None:
+    expected = {"alloc": "OutOfMemoryError", "read": "OSError"}[kind]
+    results = {where: run_ranks(world, run_persistent, kind, where, str(tmp_path), extra)
+               for where in ("forward", "backward")}
+    for where, per_rank in results.items():
+        for rank, result in enumerate(per_rank):
+            seen = result["seen"]
+            assert [step for step, what in enumerate(seen) if what is not None] == [BAD_STEP], (where, rank, seen)
+            assert seen[BAD_STEP][0] == expected, (where, rank, seen[BAD_STEP])
+            if rank != FAILING_RANK:
+                assert seen[BAD_STEP][1].startswith(f"rank {FAILING_RANK} failed in {where}: {expected}: "), seen
+            else:
+                assert result["stand_ins"] > 0, where  # it followed through with stand-ins
+                if "zero_hpz_partition_size" in extra and where == "backward":
+                    assert result["secondary_stand_ins"] > 0
+            reference = results["forward"][rank]["reference"]["full"]
+            assert all(torch.equal(a, b) for a, b in zip(result["full"], reference)), (where, rank)

@@ -124,6 +124,31 @@ class ParamGather:
         work = self.comm.all_gather_flat(wire, encoded, async_op=True)
         return PendingGather(output, work, self.codec, wire, shard.numel(), [shard, encoded])
 
+    def _wire(self, shard_numel: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        """Elements and dtype of one rank's part on the wire (the codec's encoding, if any)."""
+        if self.codec is None:
+            return shard_numel, dtype
+        return self.codec.encoded_numel(shard_numel), self.codec.encoded_dtype(dtype)
+
+    def stand_in_nbytes(self, shard_numel: int, dtype: torch.dtype) -> int:
+        """Bytes of reserve `start_stand_in` uses for a shard of `shard_numel` elements."""
+        numel, wire_dtype = self._wire(shard_numel, dtype)
+        return (self.mesh.shard_size + 1) * numel * wire_dtype.itemsize
+
+    def start_stand_in(self, shard_numel: int, dtype: torch.dtype, reserve: torch.Tensor) -> PendingGather:
+        """This rank's part in a gather whose result it will not use (a pass that failed here): the same
+        collective as `start`'s, with zeros sent and the result landing in `reserve` (bytes, at least
+        `stand_in_nbytes`): nothing read from a tier, nothing allocated (zero3.runtime.gather_walk's Note)."""
+        numel, wire_dtype = self._wire(shard_numel, dtype)
+        size = self.mesh.shard_size
+        room = reserve[: (size + 1) * numel * wire_dtype.itemsize].view(wire_dtype)
+        shard, output = room[:numel], room[numel:]
+        shard.zero_()
+        if size == 1:
+            return PendingGather(output, None)
+        assert self.comm is not None, "a layout-only mesh cannot gather"
+        return PendingGather(output, self.comm.all_gather_flat(output, shard, async_op=True))
+
     def gather(self, shard: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor:
         """`start` and `wait`: the rank-major shards."""
         return self.start(shard, output).wait()

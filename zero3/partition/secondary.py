@@ -154,6 +154,20 @@ class SecondaryShards:
         self.gathers += 1
         return PendingGather(output, work, inputs=[shard])
 
+    def stand_in_nbytes(self, unit: GatherUnit) -> int:
+        """Bytes of reserve `start_stand_in` uses for `unit`."""
+        return (self.primary.shard_size + self.shards_per_rank) * unit.shard_numel * unit.dtype.itemsize
+
+    def start_stand_in(self, unit: GatherUnit, reserve: torch.Tensor) -> PendingGather:
+        """`start_gather`'s collective for a unit the ranks hold secondary shards of, by a rank that will not
+        use the result: zeros sent, the result in `reserve` (GatherUnit.start_stand_in)."""
+        assert self.comm is not None
+        numel = self.primary.shard_size * unit.shard_numel
+        room = reserve[: self.stand_in_nbytes(unit)].view(unit.dtype)
+        output, shard = room[:numel], room[numel:]
+        shard.zero_()
+        return PendingGather(output, self.comm.all_gather_secondary(output, shard, async_op=True))
+
     def recorder(self, unit: GatherUnit) -> functools.partial[None] | None:
         """What a primary gather of `unit` calls when it completes, while a forward records."""
         return functools.partial(self.record, unit) if self.recording else None

@@ -209,6 +209,21 @@ class GatherUnit:
             pending.on_complete = secondary.recorder(self)
         return pending
 
+    def stand_in_nbytes(self) -> int:
+        """Bytes of reserve `start_stand_in` may use for this unit."""
+        need = self.gather.stand_in_nbytes(self.shard_numel, self.dtype)
+        return max(need, self.secondary.stand_in_nbytes(self)) if self.secondary is not None else need
+
+    def start_stand_in(self, reserve: torch.Tensor) -> PendingGather:
+        """This rank's part in the all-gather `start_gather` would issue now, for a pass this rank failed:
+        the same collective (group, codec, sizes), with zeros sent and the result landing in `reserve`,
+        so nothing is read from a tier and nothing allocated (zero3.runtime.gather_walk's Note). The
+        unit's state is left as it is."""
+        secondary = self.secondary
+        if secondary is not None and secondary.usable(self):
+            return secondary.start_stand_in(self, reserve)
+        return self.gather.start_stand_in(self.shard_numel, self.dtype, reserve)
+
     def wait(self) -> None:
         """Complete an in-flight all-gather (INFLIGHT -> UNSHARDED)."""
         if self.state is not UnitState.INFLIGHT:
@@ -237,11 +252,15 @@ class GatherUnit:
         self.wait()
 
     def reshard(self) -> None:
-        """Drop the gathered values (-> SHARDED). An in-flight gather is completed first."""
+        """Drop the gathered values (-> SHARDED). An in-flight gather's collective is completed first (every
+        rank issued it), its values dropped without being laid out (nothing allocated)."""
         self.stale = False  # (what was gathered is dropped: the next gather reads every shard as it is)
         if self.state is UnitState.SHARDED:
             return
-        self.wait()
+        if self.state is UnitState.INFLIGHT:
+            pending, self._pending = self._pending, None
+            assert pending is not None
+            pending.wait()
         self._set_state(UnitState.SHARDED)
         for sp in self.params:
             sp.set_released()

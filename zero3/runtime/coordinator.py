@@ -165,10 +165,11 @@ class ParamCoordinator:
         # The forward's last marker carries whether a rank's forward raised (zero3.rank_failure), and under
         # hpZ the units whose secondary shards it recorded.
         self.forward_walk = GatherWalk("forward", units, comm, mesh, self.live, prefetch_numel, max_live_numel,
-                                       1 + (secondary.words if secondary is not None else 0))
+                                       1 + (secondary.words if secondary is not None else 0), failure_slot=0)
         self.comm = comm
         # The backward's last marker also says whether a rank has gradients to reduce late, and whether it failed.
-        self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2)
+        self.backward_walk = GatherWalk("backward", units, comm, mesh, self.live, prefetch_numel, max_live_numel, 2,
+                                        failure_slot=1)
         self.forward_walk.set_order(list(range(len(units))))  # the backward's first order: see begin_backward
         # Issues a walk for this rank while its thread is away (a model's own collective: see the walk's Note).
         self.keeper = WalkKeeper([self.forward_walk, self.backward_walk], units[0].device if units else torch.device("cpu"))
@@ -329,7 +330,10 @@ class ParamCoordinator:
                 else:
                     self.secondary.agree([row[1:] for row in extras])
             if self.forward_walk.lockstep and failed:
-                raise_peer_failure(self.comm, "forward", failure)
+                walk_failure = self.forward_walk.failure  # met while following the pass through
+                raise_peer_failure(self.comm, "forward", failure or walk_failure)
+                if failure is None and walk_failure is not None:
+                    raise walk_failure
 
     def _release_until_backward(self, output: Any) -> None:
         """The end of a root forward that saved by reference: its units released, to be gathered again

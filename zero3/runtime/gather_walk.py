@@ -51,6 +51,23 @@ sequence. A keeper's MARK says "not done", so a pass it crossed into ends
 one MARK later: the price of a model's collective meeting different routes,
 paid only when a rank's thread stayed away that long.
 
+[Note: following through a failed pass]
+A rank whose pass failed (its forward or backward raised, or it joins a
+pass it could not start) still walks to the pass's end with the others,
+issuing its part of every gather they may wait on. It does so with
+stand-ins: the same collective (group, codec, sizes), zeros sent and the
+result landing in one reserve buffer, reused gather after gather, so it
+reads nothing from a tier and allocates nothing per gather: a failure that
+repeats on every call (a device out of memory, a disk that keeps failing)
+cannot fail it again before its done marker. The reserve (the largest
+unit's gather, in bytes) is allocated once, at the first stand-in, after the
+walk let go of every gather it held, and freed at the pass's end. The same
+holds where issuing an entry fails on a rank that had not failed (a spare
+gather's allocation, a tier read): a stand-in takes the entry's place, so
+every rank still issues the one sequence, and the failure is this rank's:
+raised to its thread, or, met by its keeper or while draining, carried in
+the pass's last marker (`failure_slot`) and raised at the pass's end.
+
 A world of one has nothing to agree on: the walk then gathers only what is
 needed and prefetches along its own previous trace.
 """
@@ -62,7 +79,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,8 +181,11 @@ class GatherWalk:
         prefetch_numel: int,
         max_live_numel: int,
         extra_len: int = 0,
+        failure_slot: int | None = None,
     ) -> None:
         self.name = name
+        # Which of `extra`'s ints says "this rank's pass failed" (see [Note: following through a failed pass]).
+        self.failure_slot = failure_slot
         # Ints each rank adds to the pass's last marker (`end(extra)`): every marker has one size.
         self.extra_len = extra_len
         self.units = units
@@ -191,11 +211,18 @@ class GatherWalk:
         self._warned_live = False
         # The rank's thread and its keeper (see [Note: the walk's keeper]) take turns on the walk.
         self.lock = threading.RLock()
+        self._draining = False  # in the pass's end (`_drain`)
+        self._keeping = False  # the keeper's turn (`keep_up`)
         self.in_pass = False
         self._last_entry = time.monotonic()  # the rank's own thread's last call into the walk
         self._keeper_marker: tuple[torch.Tensor, dist.Work | None] | None = None  # a crossing not yet read
         self.keeper_gathers = 0  # entries the keeper issued (a fact for tests)
         self._warned_keeper = False
+        # A pass this rank failed: the rest of its entries are stand-ins (see the Note).
+        self.failing = False
+        self.failure: BaseException | None = None  # what failed in the walk itself, this pass
+        self._reserve: torch.Tensor | None = None
+        self.stand_ins = 0  # (a fact for tests)
 
     # ---- the agreed sequence ----------------------------------------------------
     def set_order(self, order: list[int]) -> None:
@@ -220,12 +247,16 @@ class GatherWalk:
             self._markers = []
             self._keeper_marker = None
             self._last_entry = time.monotonic()
+            self.failing = False
+            self.failure = None
             self.in_pass = True
 
     def fetch(self, unit: GatherUnit) -> None:
         """Make sure `unit` is gathered or in flight for this rank's use (the caller waits on it)."""
         with self.lock:
             self._last_entry = time.monotonic()
+            if self.failure is not None:  # met by the keeper: this rank's pass has failed
+                raise self.failure
             self._fetch(unit)
             self._last_entry = time.monotonic()
 
@@ -256,13 +287,22 @@ class GatherWalk:
         if len(extra) > self.extra_len:
             raise ValueError(f"the {self.name} walk carries {self.extra_len} extra ints, got {len(extra)}")
         extra = list(extra) + [0] * (self.extra_len - len(extra))
+        slot = self.failure_slot
+        if slot is not None and (extra[slot] or self.failure is not None):
+            self.failing = True  # (see [Note: following through a failed pass])
+            extra[slot] = 1
         extras: list[list[int]] = [extra]
-        if self.lockstep:
-            extras = self._drain(extra)
-        else:
-            self.set_order(self.trace[: self._trace_cap])
-        self.release_unclaimed()
-        self._finish_side_work()
+        try:
+            if self.lockstep:
+                extras = self._drain(extra)
+            else:
+                self.set_order(self.trace[: self._trace_cap])
+            self.release_unclaimed()
+            self._finish_side_work()
+        finally:
+            if self._reserve is not None:
+                self._reserve = None
+                self.comm.forget_released()  # (the stand-ins' aliases would keep it otherwise)
         self.passes += 1
         return extras
 
@@ -281,7 +321,7 @@ class GatherWalk:
                 self._issue_marker(done=False, payload=[0] * self.extra_len, beyond=True)
             elif entry == target:
                 self._make_room(unit.numel)
-                unit.start_unshard(async_op=True)
+                self._issue(unit, lambda: unit.start_unshard(async_op=True))
                 return
             else:
                 self._pass(self.units[entry])
@@ -298,20 +338,55 @@ class GatherWalk:
 
     def _pass(self, unit: GatherUnit) -> None:
         """Issue an entry this rank does not need now (another rank may)."""
-        if unit.state is UnitState.SHARDED:
-            if not self.lockstep:
-                return  # nobody else waits on it
+        if not self.lockstep:
+            return  # nobody else waits on it
+        if self.failing:
+            self._stand_in(unit)
+        elif unit.state is UnitState.SHARDED:
             self._make_room(unit.numel)
             self._gather_unclaimed(unit)
             while self._unclaimed_numel > self.prefetch_numel and self._unclaimed:
                 self._release_oldest()
-        elif self.lockstep:
+        else:
             # Gathered here already (in use): still part of the collective for the others.
-            spare = unit.start_gather()
-            self._throwaway.append(spare)
-            self._throwaway_numel += spare.output.numel()
+            self._issue(unit, lambda: self._spare(unit))
             while self._throwaway_numel > self.prefetch_numel and self._throwaway:
                 self._drop_throwaway()
+
+    def _spare(self, unit: GatherUnit) -> None:
+        spare = unit.start_gather()
+        self._throwaway.append(spare)
+        self._throwaway_numel += spare.output.numel()
+
+    def _issue(self, unit: GatherUnit, start: Callable[[], None]) -> None:
+        """Issue one entry of the sequence with `start`; where it fails before the collective is issued (a tier
+        read, an allocation), a stand-in takes its place, so this rank still issues its part, and the failure
+        is this rank's pass's: raised to its own thread, kept when the keeper or the pass's end met it (see
+        [Note: following through a failed pass])."""
+        if self.failing:
+            self._stand_in(unit)
+            return
+        try:
+            start()
+        except Exception as error:  # noqa: BLE001 - the entry is issued anyway, below; the error goes on
+            if not self.lockstep:
+                raise
+            self.failure = self.failure or error
+            self.failing = True
+            self._stand_in(unit)
+            if not (self._draining or self._keeping):
+                raise
+
+    def _stand_in(self, unit: GatherUnit) -> None:
+        """This rank's part in `unit`'s gather, for a pass it failed: zeros sent, into the reserve, waited on."""
+        if self._reserve is None:
+            self.release_unclaimed()  # (their memory first: the reserve is allocated once per failed pass)
+            while self._throwaway:
+                self._drop_throwaway()
+            needed = max(each.stand_in_nbytes() for each in self.units)
+            self._reserve = torch.empty(needed, dtype=torch.uint8, device=unit.device)
+        unit.start_stand_in(self._reserve).wait()
+        self.stand_ins += 1
 
     def _prefetch(self) -> None:
         """Issue the sequence ahead of need, within the prefetch and live budgets, up to the next MARK."""
@@ -336,9 +411,10 @@ class GatherWalk:
 
     def _gather_unclaimed(self, unit: GatherUnit) -> None:
         """Start a gather this rank has not asked for (yet): held by the walk until claimed."""
-        unit.start_unshard(async_op=True)
-        self._unclaimed[unit] = None
-        self._unclaimed_numel += unit.numel
+        self._issue(unit, lambda: unit.start_unshard(async_op=True))
+        if unit.state is not UnitState.SHARDED:  # (a stand-in leaves it so: nothing to hold)
+            self._unclaimed[unit] = None
+            self._unclaimed_numel += unit.numel
 
     def _claim(self, unit: GatherUnit) -> None:
         del self._unclaimed[unit]
@@ -349,7 +425,8 @@ class GatherWalk:
         unit = next(iter(self._unclaimed))
         del self._unclaimed[unit]
         self._unclaimed_numel -= unit.numel
-        unit.wait()  # every rank issues what any rank issued (see the Note): this completes
+        # Every rank issues what any rank issued (see the Note): this completes. Unneeded, its values are
+        # dropped without being laid out (GatherUnit.reshard).
         unit.release_if_unneeded()
 
     def _make_room(self, numel: int) -> None:
@@ -388,11 +465,20 @@ class GatherWalk:
         return marker
 
     def _drain(self, extra: list[int]) -> list[list[int]]:
+        self._draining = True
+        try:
+            return self._drain_to_agreed_end(extra)
+        finally:
+            self._draining = False
+
+    def _drain_to_agreed_end(self, extra: list[int]) -> list[list[int]]:
         while True:
             while self.sequence and self._entry() != MARK:
                 entry = self._entry()
                 self._pos += 1
                 self._pass(self.units[entry])
+            if self.failure is not None and self.failure_slot is not None:
+                extra[self.failure_slot] = 1  # met while draining: the marker says so
             self._pos += 1  # past the MARK (an empty sequence is a lone MARK)
             result, work = self._issue_marker(done=True, payload=extra)
             if work is not None:
@@ -418,6 +504,7 @@ class GatherWalk:
             return
         if not self.lock.acquire(blocking=False):
             return  # the rank's own thread is in the walk
+        self._keeping = True
         try:
             if not self.in_pass:
                 return
@@ -436,6 +523,7 @@ class GatherWalk:
                 self._pos += 1
                 self._keeper_marker = self._issue_marker(done=False, payload=[0] * self.extra_len)
         finally:
+            self._keeping = False
             self.lock.release()
 
     def _keep_to_mark(self) -> None:
@@ -455,9 +543,9 @@ class GatherWalk:
                 return
             self._pos += 1
             self.keeper_gathers += 1
-            if unit.state is UnitState.SHARDED:
+            if self.failing:
+                self._stand_in(unit)
+            elif unit.state is UnitState.SHARDED:
                 self._gather_unclaimed(unit)
             else:
-                spare = unit.start_gather()
-                self._throwaway.append(spare)
-                self._throwaway_numel += spare.output.numel()
+                self._issue(unit, lambda: self._spare(unit))

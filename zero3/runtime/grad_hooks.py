@@ -175,7 +175,10 @@ class BackwardPass:
         extras = self.coordinator.end_backward([int(self.reducer.has_late), int(failure is not None)])
         self.reducer.finish(any_rank_late=any(row[0] for row in extras))
         if len(extras) > 1 and any(row[1] for row in extras):  # one row: no peers were asked
-            raise_peer_failure(self.coordinator.comm, "backward", failure)
+            walk_failure = self.coordinator.backward_walk.failure  # met while following the pass through
+            raise_peer_failure(self.coordinator.comm, "backward", failure or walk_failure)
+            if failure is None and walk_failure is not None:
+                raise walk_failure
 
     def close(self) -> None:
         for handle in self._handles:
