@@ -253,3 +253,50 @@ def test_a_failing_fetch_on_entering_gathered_parameters_raises_on_every_rank(tm
         assert out["unchanged"], rank
         assert torch.equal(out["whole"], out["reference"][0]), rank
         assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"])), rank
+
+
+def failing_write_back(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The parameters live on disk (offload_param nvme); rank 0 edits fc1's weight and bias (the bias is kept
+    gathered: persistent) under GatheredParameters(modifier_rank=0), and the failing rank's writes to its
+    parameter files fail, every time, while the block exits (its put-back of the old shard fails too)."""
+    tier = os.path.join(root, f"params-rank{rank}")
+    os.makedirs(tier, exist_ok=True)
+    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "stage3_param_persistence_threshold": 64,
+                                              "offload_param": {"device": "nvme", "nvme_path": tier, "max_in_cpu": 0}}}
+    out: dict[str, Any] = {}
+    engine, model = engine_and_model(config)
+    train(engine, rank, world, 1)
+    out["reference"] = masters(model)
+    undo = on_failing_rank(rank, disk_io, "_pwrite_all",
+                           lambda fd, data, offset, path, write=disk_io._pwrite_all: write(-1, data, offset, path))
+
+    def block() -> None:
+        with zero3.GatheredParameters([model.fc1.weight, model.fc1.bias], modifier_rank=0):
+            if rank == 0:
+                model.fc1.weight.data.add_(1.0)
+                model.fc1.bias.data.add_(1.0)
+
+    out["exited"] = caught(block)
+    undo()
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), out["reference"]))
+    train(engine, rank, world, 1, seed=3)
+    out["trained_on"] = masters(model)
+    engine.destroy()
+    engine, model = engine_and_model(config)  # the same two steps, no block
+    train(engine, rank, world, 1)
+    train(engine, rank, world, 1, seed=3)
+    out["reference_trained_on"] = masters(model)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_modifiers_write_back_that_fails_on_one_rank_is_kept_on_none(tmp_path: Path) -> None:
+    for rank, out in enumerate(run_ranks(2, failing_write_back, str(tmp_path))):
+        seen = out["exited"]
+        assert seen is not None and seen[0] == "OSError", (rank, seen)
+        if rank != FAILING_RANK:
+            assert seen[1].startswith(f"rank {FAILING_RANK} failed in GatheredParameters: OSError: "), seen
+            assert "no rank kept the modifier's values" in seen[1], seen
+        assert out["unchanged"], rank
+        assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"])), rank

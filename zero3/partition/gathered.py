@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.rank_failure import raise_agreed_failure, raise_peer_failure
 from zero3.partition.unit import GatherUnit, Hold, unit_of
@@ -106,6 +107,54 @@ class GatheredParameters:
                 unit.release(Hold.PIN)
             raise_agreed_failure(comm, "GatheredParameters", own, " (on entering the block; nothing was gathered)")
 
+    def _write_back_agreed(self) -> None:
+        """The modifier's values become every rank's shards (16-bit, master), on every rank or on none: each
+        rank keeps what it overwrites, and where a write failed on any rank (a tier's disk), every rank puts
+        its own back and raises. A rank that cannot put back its 16-bit shard (the disk still failing) has
+        every rank's optimizer rewrite them from the masters before the next use (`lp_stale`, agreed); a
+        unit kept gathered holds the modifier's values then, so it is gathered again at the next forward."""
+        comm = self.units[0].gather.comm
+        with torch.no_grad():
+            for unit in self.units:
+                assert unit.unsharded is not None and comm is not None
+                comm.broadcast(unit.unsharded, src=self.modifier_rank)
+        listed = [sp for unit in self.units for sp in unit.params if sp in self.listed]
+        kept: list[tuple[Slot, torch.Tensor]] = []
+        seeds = [(sp, sp.hp_seed.clone()) for sp in listed if sp.hp_seed is not None]
+        own: Exception | None = None
+        wrote = False
+        try:
+            for sp in listed:
+                assert sp.lp_slot is not None
+                kept += [(slot, slot.read().clone()) for slot in (sp.lp_slot, *sp.followers)]
+            wrote = True
+            with torch.no_grad():
+                for unit in self.units:
+                    unit.write_back(self.listed)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, below
+            own = error
+        if comm is None or not comm.any_of_flags([own is not None])[0]:
+            if own is not None:
+                raise own
+            return
+        unrestored = False
+        if wrote:
+            for slot, values in reversed(kept):
+                try:
+                    slot.write(values)
+                except Exception:  # noqa: BLE001 - repaired from the masters, below
+                    unrestored = True
+            for sp, seed in seeds:
+                assert sp.hp_seed is not None
+                sp.hp_seed.copy_(seed)
+        for unit in self.units:
+            unit.stale = unit.stale or unit.persistent
+        if comm.any_of_flags([unrestored])[0]:
+            for sp in listed:
+                if sp.master_keeper is not None:
+                    sp.master_keeper.lp_stale = True
+        raise_agreed_failure(comm, "GatheredParameters", own, " (no rank kept the modifier's values)")
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
@@ -135,12 +184,7 @@ class GatheredParameters:
                 everyone = comm.all_gather_objects(own)
                 edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
             if self.modifier_rank is not None:
-                with torch.no_grad():
-                    for unit in self.units:
-                        assert unit.unsharded is not None
-                        assert unit.gather.comm is not None
-                        unit.gather.comm.broadcast(unit.unsharded, src=self.modifier_rank)
-                        unit.write_back(self.listed)
+                self._write_back_agreed()
         finally:
             for unit in self.units:
                 unit.release(Hold.PIN)

@@ -10,12 +10,19 @@ zero3.partition.unit answers the other way).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
 from zero3.partition.flat_buffer import Slot
+
+
+class MasterKeeper(Protocol):
+    """What keeps a parameter's fp32 master: `lp_stale` set, it rewrites the 16-bit shards from the masters
+    before their next use (alike on every rank)."""
+
+    lp_stale: bool
 from zero3.topology import ShardMesh
 
 ATTR = "_zero3"
@@ -42,6 +49,9 @@ class ShardedParam:
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
         # master): the optimizer adds its own and keeps everything else of its state to itself.
         self.followers: list[Slot] = []
+        # What keeps the fp32 master the 16-bit shard follows (zero3.runtime.optimizer), told when the shard
+        # was lost: it writes the shards again from the masters before their next use.
+        self.master_keeper: MasterKeeper | None = None
         # fp32 copy of this rank's shard taken at partition time, so the master
         # starts from the exact fp32 initialisation rather than a 16-bit round trip.
         self.hp_seed: torch.Tensor | None = None

@@ -190,6 +190,7 @@ class ZeroOptimizer:
             if self.hp_params is not None:
                 slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
                 sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
+                sp.master_keeper = self
             sp.hp_seed = None
             cursor += sp.shard_numel
         for group_index, ((_, options), runs) in enumerate(zip(groups, runs_by_group)):
@@ -722,6 +723,8 @@ class ZeroOptimizer:
                 del _MASTERS[sp]
             if slots.hp in sp.followers:
                 sp.followers.remove(slots.hp)
+            if sp.master_keeper is self:
+                sp.master_keeper = None
         self.masters.clear()
 
     def state_bytes(self) -> dict[str, int]:
