@@ -34,6 +34,7 @@ from zero3.runtime.engine_checkpoints import CheckpointMethods
 from zero3.runtime.engine_getters import DeepSpeedGetters
 from zero3.runtime.engine_offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
 from zero3.runtime.lr_schedules import build_lr_scheduler
+from zero3.runtime.step_protocol import Owed, StepProtocol
 from zero3.runtime.timers import StepTimers
 
 log = logging.getLogger("zero3")
@@ -113,6 +114,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             parts.grads, parts.reducer, parts.loss_scaler, parts.optimizer
         )
         self.coordinator, self.offloader = parts.coordinator, parts.offloader
+        # Where this rank stands in the step's collective calls, and the engine's agreements (its Note).
+        self.protocol = StepProtocol(comm, parts.coordinator, parts.backward, parts.optimizer)
 
         self.lr_scheduler = None
         if self.optimizer is not None:
@@ -132,8 +135,6 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._checkpoint_states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
         self._destroyed = False
-        # The collective the other ranks are in next if this rank fails now (see the Note on failures).
-        self._next_collective: str | None = "forward"
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -159,7 +160,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_alive()
-        self._next_collective = None
+        self.protocol.begin()
         self._check_consistent("forward")
         self._require_resident("forward", FORWARD_NEEDS)
         self.parts.repair_lp("forward")
@@ -173,7 +174,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             args, kwargs = tree_map(cast, (args, kwargs))
         with self.timers.phase("forward"):
             output = self.module(*args, **kwargs)
-        self._next_collective = "backward" if torch.is_grad_enabled() and self.optimizer is not None else "forward"
+        self.protocol.returned(Owed.BACKWARD if torch.is_grad_enabled() and self.optimizer is not None else Owed.FORWARD)
         return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -194,7 +195,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if self.optimizer is None:
             raise RuntimeError(f"engine.backward {NO_OPTIMIZER}")
         self._require_resident("backward", BACKWARD_NEEDS)
-        self._next_collective = None
+        self.protocol.begin()
         factor = self.loss_scaler.loss_scale
         if scale_wrt_gas:
             factor /= self.batch.gradient_accumulation_steps
@@ -208,7 +209,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
                 self.parts.backward.finish(failure)
                 raise
             self.parts.backward.finish()
-        self._next_collective = "step" if self.is_gradient_accumulation_boundary() else "forward"
+        self.protocol.returned(Owed.STEP if self.is_gradient_accumulation_boundary() else Owed.FORWARD)
         return loss
 
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
@@ -254,9 +255,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             self.parts.backward.finish(handled or RuntimeError(
                 "engine.zero_grad() dropped a backward pass that engine.step() had not ended"
             ))
-        elif handled is not None and self._next_collective is not None:
-            self._join_as_failed(handled)
-        self._next_collective = "forward"
+        elif handled is not None and self.protocol.owed is not None:
+            self.protocol.join_as_failed(handled)
+        self.protocol.returned(Owed.FORWARD)
         self.coordinator.reset()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -266,21 +267,13 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     # one rank, before the forward), in the user's code between forward and
     # backward (a check on the loss) or between backward and step, while the
     # other ranks go on into the next forward's gathers, the backward's, or
-    # the step's agreement. `_next_collective` records which one this rank
-    # owes (set when a call returned, cleared when the next one begins);
-    # `zero_grad`, called in the `except` clause, then makes this rank's part
-    # of it as a rank that failed (an empty pass, or the step's flags), so
-    # the others raise the exception too. A rank whose call failed with the
-    # others (every rank raised) owes nothing: that call began and did not
-    # return.
-    def _join_as_failed(self, failure: BaseException) -> None:
-        if self._next_collective == "forward":
-            self.coordinator.join_forward_as_failed(failure)
-        elif self._next_collective == "backward":
-            self.parts.backward.begin()
-            self.parts.backward.finish(failure)
-        elif self._next_collective == "step" and self.optimizer is not None:
-            self.optimizer.join_as_failed(failure)
+    # the step's agreement. The step protocol records which one this rank
+    # owes (zero3.runtime.step_protocol: set when a call returned, cleared
+    # when the next one begins); `zero_grad`, called in the `except` clause,
+    # then makes this rank's part of it as a rank that failed (an empty pass,
+    # or the step's flags), so the others raise the exception too. A rank
+    # whose call failed with the others (every rank raised) owes nothing:
+    # that call began and did not return.
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` steps the optimizer: the caller's answer if it set one
@@ -303,14 +296,14 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if self.optimizer is None:
             raise RuntimeError(f"engine.step {NO_OPTIMIZER}")
         self._check_consistent("step")
-        self._next_collective = None
+        self.protocol.begin()
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._require_resident("step", STEP_NEEDS)
         self.parts.backward.finish()  # a plain loss.backward() left its pass open
         if not boundary:
             self.micro_steps += 1
-            self._next_collective = "forward"
+            self.protocol.returned(Owed.FORWARD)
             return
         with self.timers.phase("step"):
             self.coordinator.release_all()
@@ -327,7 +320,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         # Counted once the step has landed: a step that raised (a failing disk) can be retried.
         self.micro_steps += 1
         self.global_steps += 1
-        self._next_collective = "forward"
+        self.protocol.returned(Owed.FORWARD)
         printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
         every = self.config.steps_per_print
         if printing and every is not None and self.global_steps % every == 0:

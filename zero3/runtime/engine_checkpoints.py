@@ -22,7 +22,7 @@ from zero3.config import Zero3Config
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
-from zero3.rank_failure import agreed
+from zero3.runtime.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
 from zero3.runtime import rng_state
@@ -55,6 +55,7 @@ class CheckpointMethods:
     module: nn.Module
     config: Zero3Config
     comm: Communicator
+    protocol: StepProtocol
     gather: ParamGather
     parts: EngineParts
     offloader: StateOffloader
@@ -180,7 +181,7 @@ class CheckpointMethods:
                 raise failure
 
         # The files are complete on every rank's return; a write that failed on rank 0 fails every rank.
-        agreed(self.comm, "save_16bit_model", written)
+        self.protocol.agree("save_16bit_model", written)
         return True
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:

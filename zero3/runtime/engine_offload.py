@@ -18,7 +18,7 @@ from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, p
 from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import StateOffloadedError
-from zero3.rank_failure import agreed
+from zero3.runtime.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 
 # The states each training call reads or writes (a call refuses to run while one is offloaded).
@@ -32,6 +32,7 @@ STEP_NEEDS = (
 
 class OffloadMethods:
     comm: Communicator
+    protocol: StepProtocol
     parts: EngineParts
     offloader: StateOffloader
     _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
@@ -64,8 +65,8 @@ class OffloadMethods:
             root = self.offloader.disk_root(nvme_path) if target is OffloadDevice.nvme else None
             self.offloader.offload(states, target, bool(pin_memory), bool(non_blocking), root, self._prepare_offload)
 
-        agreed(self.comm, "offload_states", offload, " (no rank keeps this call's states offloaded)",
-               undo=lambda: self.offloader.undo(mark))
+        self.protocol.agree("offload_states", offload, " (no rank keeps this call's states offloaded)",
+                            undo=lambda: self.offloader.undo(mark))
 
     def pin_offload_buffers(self, include: Any = None) -> int:
         """Page-lock, in a background thread, the host buffers that `offload_states(include,
@@ -90,8 +91,8 @@ class OffloadMethods:
         """
         self._check_alive()
         self.parts.check_between_steps("reload_states")
-        agreed(self.comm, "reload_states", lambda: self.offloader.reload(bool(non_blocking)),
-               " (what failed stays offloaded, intact: call engine.reload_states() again on every rank)")
+        self.protocol.agree("reload_states", lambda: self.offloader.reload(bool(non_blocking)),
+                            " (what failed stays offloaded, intact: call engine.reload_states() again on every rank)")
 
     def state_devices(self, state: OffloadStateType | str) -> set[torch.device]:
         """The devices whose memory holds `state` (see zero3.get_state_devices)."""
