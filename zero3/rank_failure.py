@@ -19,7 +19,8 @@ If any flag is set, every rank exchanges what happened, and each rank that did
 not fail raises the failing rank's exception type with "rank R failed in
 <where>: ..." so that the same `except` clause runs on every rank and
 `engine.zero_grad()` is called everywhere. The failing rank's own exception
-propagates unchanged.
+propagates unchanged. An engine's parts make these agreements through its one
+step protocol (zero3.step_protocol), which uses the functions here.
 """
 
 from __future__ import annotations

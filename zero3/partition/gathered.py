@@ -12,7 +12,7 @@ from torch import nn
 
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.rank_failure import raise_agreed_failure, raise_peer_failure
+from zero3.step_protocol import StepProtocol
 from zero3.partition.unit import GatherUnit, Hold, unit_of
 
 
@@ -92,8 +92,8 @@ class GatheredParameters:
         a unit has a tier is the config's, the same on every rank. Inside a pass the walk gathers, and a
         failure there is the pass's (zero3.runtime.gather_walk)."""
         direct = [unit for unit in self.units if unit.gathers_directly()]
-        comm = self.units[0].gather.comm if self.units else None
-        if comm is None or not any(unit.source is not None for unit in direct):
+        protocol = self._protocol()
+        if protocol is None or not any(unit.source is not None for unit in direct):
             return
         own: Exception | None = None
         try:
@@ -101,11 +101,22 @@ class GatheredParameters:
                 unit.prepare_gather(exact=True)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             own = error
-        if comm.any_of_flags([own is not None])[0]:
+
+        def let_go() -> None:
             for unit in self.units:
                 unit.drop_prepared()
                 unit.release(Hold.PIN)
-            raise_agreed_failure(comm, "GatheredParameters", own, " (on entering the block; nothing was gathered)")
+
+        protocol.settle("GatheredParameters", own, " (on entering the block; nothing was gathered)", undo=let_go)
+
+    def _protocol(self) -> StepProtocol | None:
+        """Where this block's agreements are made: its engine's step protocol (zero3.step_protocol), or one
+        over the parameters' communicator where no engine drives them (zero3.Init's, before initialize); None
+        where they never communicate."""
+        if not self.units or self.units[0].gather.comm is None:
+            return None
+        driver = self.units[0].driver
+        return driver.protocol if driver is not None else StepProtocol(self.units[0].gather.comm)
 
     def _write_back_agreed(self) -> None:
         """The modifier's values become every rank's shards (16-bit, master), on every rank or on none: each
@@ -113,11 +124,11 @@ class GatheredParameters:
         its own back and raises. A rank that cannot put back its 16-bit shard (the disk still failing) has
         every rank's optimizer rewrite them from the masters before the next use (`lp_stale`, agreed); a
         unit kept gathered holds the modifier's values then, so it is gathered again at the next forward."""
-        comm = self.units[0].gather.comm
+        protocol = self._protocol()
         with torch.no_grad():
             for unit in self.units:
-                assert unit.unsharded is not None and comm is not None
-                comm.broadcast(unit.unsharded, src=self.modifier_rank)
+                assert unit.unsharded is not None and unit.gather.comm is not None
+                unit.gather.comm.broadcast(unit.unsharded, src=self.modifier_rank)
         listed = [sp for unit in self.units for sp in unit.params if sp in self.listed]
         kept: list[tuple[Slot, torch.Tensor]] = []
         seeds = [(sp, sp.hp_seed.clone()) for sp in listed if sp.hp_seed is not None]
@@ -133,7 +144,7 @@ class GatheredParameters:
                     unit.write_back(self.listed)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             own = error
-        if comm is None or not comm.any_of_flags([own is not None])[0]:
+        if protocol is None or not protocol.flags([own is not None])[0]:
             if own is not None:
                 raise own
             return
@@ -149,11 +160,11 @@ class GatheredParameters:
                 sp.hp_seed.copy_(seed)
         for unit in self.units:
             unit.stale = unit.stale or unit.persistent
-        if comm.any_of_flags([unrestored])[0]:
+        if protocol.flags([unrestored])[0]:
             for sp in listed:
                 if sp.master_keeper is not None:
                     sp.master_keeper.lp_stale = True
-        raise_agreed_failure(comm, "GatheredParameters", own, " (no rank kept the modifier's values)")
+        protocol.fail_together("GatheredParameters", own, " (no rank kept the modifier's values)")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -165,25 +176,25 @@ class GatheredParameters:
             return
         edited: list[str] = []
         try:
-            comm = self.units[0].gather.comm if self.units else None
+            protocol = self._protocol()
             own: list[str] = []
             if self.modifier_rank is None and exc is None:
                 own = sorted(sp.name for sp, pointer, version in self._versions
                              if sp.param.data_ptr() != pointer or sp.param._version != version)
             failed = edit = False
-            if comm is not None:
+            if protocol is not None:
                 # One small all-reduce, on every rank: did any rank's block raise, did any edit without a
                 # modifier (the names travel only then). A rank that skipped it would leave the others waiting.
-                failed, edit = comm.any_of_flags([exc is not None, bool(own)])
+                failed, edit = protocol.flags([exc is not None, bool(own)])
             if failed:
-                assert comm is not None
-                raise_peer_failure(comm, "GatheredParameters", exc, " (no rank kept an edit made in the block)")
+                assert protocol is not None
+                protocol.raise_if_peer_failed("GatheredParameters", exc, " (no rank kept an edit made in the block)")
                 return  # this rank's own exception goes on
             if edit:
-                assert comm is not None
-                everyone = comm.all_gather_objects(own)
+                assert protocol is not None
+                everyone = protocol.comm.all_gather_objects(own)
                 edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
-            if self.modifier_rank is not None:
+            if self.modifier_rank is not None and self.units:
                 self._write_back_agreed()
         finally:
             for unit in self.units:

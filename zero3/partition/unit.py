@@ -26,6 +26,7 @@ from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
+    from zero3.step_protocol import StepProtocol
     from zero3.partition.secondary import SecondaryShards
 
 
@@ -70,6 +71,11 @@ class UnitDriver(Protocol):
 
     def gathers_directly(self) -> bool:
         """Whether a fetch now starts the unit's own all-gather (between passes), not the pass's walk."""
+        ...
+
+    @property
+    def protocol(self) -> "StepProtocol":
+        """Where the runtime's agreements are made (zero3.step_protocol)."""
         ...
 
 
@@ -145,6 +151,11 @@ class GatherUnit:
 
     def detach(self) -> None:
         self._driver = None
+
+    @property
+    def driver(self) -> UnitDriver | None:
+        """The runtime driving the unit's gathers, while one does."""
+        return self._driver
 
     def fetch(self, exact: bool = False) -> None:
         """Start bringing the unit in (the runtime's way, if it drives the gathers); `wait` completes it.

@@ -52,7 +52,7 @@ from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 from zero3.runtime.optimizer import ZeroOptimizer
-from zero3.rank_failure import raise_agreed_failure
+from zero3.step_protocol import Owed, StepProtocol
 
 log = logging.getLogger("zero3")
 
@@ -78,6 +78,7 @@ class EngineParts:
     backward: BackwardPass
     offloader: StateOffloader
     secondary: SecondaryShards | None  # hpZ's (zero3.partition.secondary)
+    protocol: StepProtocol  # every agreement of a step and between steps (zero3.step_protocol)
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -102,17 +103,15 @@ class EngineParts:
         `lp_stale` is the same on every rank (the step and the load set it everywhere), so every rank
         comes here together; if the rewrite fails on one (its disk), every rank raises before the
         gathers that follow, and the shards stay stale everywhere, to be repaired at the next try."""
-        if self.optimizer is None or not self.optimizer.lp_stale:
+        optimizer = self.optimizer
+        if optimizer is None or not optimizer.lp_stale:
             return
         failure: Exception | None = None
         try:
-            self.optimizer.repair_lp()
+            optimizer.repair_lp()
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             failure = error
-        comm = self.coordinator.comm
-        if comm.any_of_flags([failure is not None])[0]:
-            self.optimizer.lp_stale = True
-            raise_agreed_failure(comm, where, failure)
+        self.protocol.settle(where, failure, undo=lambda: setattr(optimizer, "lp_stale", True))
         self.refresh_gathered()
 
     def check_between_steps(self, what: str) -> None:
@@ -140,6 +139,7 @@ class EngineParts:
 
     def close(self) -> None:
         """Close every part, the users of a part before the part (the engine is being destroyed)."""
+        self.protocol.close()
         self.offloader.close()
         self.coordinator.release_all()
         self.coordinator.remove()
@@ -173,10 +173,12 @@ class EngineParts:
 def build(
     model: nn.Module, config: Zero3Config, comm: Communicator, gather: ParamGather, device: torch.device,
     model_parameters: Iterable[Any] | None, rank: int, spec: OptimizerSpec | None, gradient_accumulation_steps: int,
+    protocol: StepProtocol,
 ) -> EngineParts:
     """Partition `model` and build every part around it, wired (see the Note); `spec` is the
     optimizer (from the config or the client's), None for an engine that does not train;
-    `gradient_accumulation_steps` the engine's resolved count (a plain loss.backward() divides by it)."""
+    `gradient_accumulation_steps` the engine's resolved count (a plain loss.backward() divides by it);
+    `protocol` the engine's step protocol, which every part agrees through (zero3.step_protocol)."""
     zc = config.zero_optimization
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
@@ -225,6 +227,7 @@ def build(
             optimizer_states(config, device, disk, host_pool), borrow_scratch=reducer.idle_scratch,
             matrix_bucket_numel=zc.reduce_bucket_size, ignore_unused_parameters=zc.ignore_unused_parameters,
             masters_are_shards=masters_are_shards(compute_dtype, zc.offload_optimizer.device, zc.offload_param.device),
+            protocol=protocol,
         )
         if spec.client is not None:
             optimizer.read_client_state(spec.client)
@@ -238,7 +241,7 @@ def build(
         secondary = SecondaryShards(units, gather.mesh, topology.secondary, comm, device, compute_dtype)
     coordinator = ParamCoordinator(
         model, units, parted.module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
-        zc.stage3_max_live_parameters, persistent_unit, grads, secondary,
+        zc.stage3_max_live_parameters, persistent_unit, grads, secondary, protocol,
     )
     offloader = StateOffloader(
         device, disk, host_pool, functools.partial(state_buffers, layout.buffers, optimizer), reducer,
@@ -250,12 +253,17 @@ def build(
         units, persistent_unit, coordinator, reducer, grads, device,
         gradient_accumulation_steps, loss_scaler,
     )
+    # How this rank makes each collective the others may be in next as a rank that failed (the protocol's Note).
+    protocol.bind(Owed.FORWARD, coordinator.join_forward_as_failed)
+    protocol.bind(Owed.BACKWARD, backward.join_as_failed)
+    if optimizer is not None:
+        protocol.bind(Owed.STEP, optimizer.join_as_failed)
     coordinator.install()
     if persistent_unit is not None:
         persistent_unit.unshard()
     return EngineParts(
         model, device, units, persistent_unit, sharded_params, disk, host_pool, layout.buffers, layout.disk_tier,
-        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary,
+        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary, protocol,
     )
 
 

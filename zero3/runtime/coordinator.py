@@ -68,7 +68,7 @@ from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.walk_keeper import WalkKeeper
-from zero3.rank_failure import raise_peer_failure
+from zero3.step_protocol import StepProtocol
 
 
 class TrainingState(enum.Enum):
@@ -153,8 +153,11 @@ class ParamCoordinator:
         persistent_unit: GatherUnit | None = None,
         grads: GradShards | None = None,
         secondary: SecondaryShards | None = None,
+        protocol: StepProtocol | None = None,
     ) -> None:
         self.module = module
+        # Every agreement a pass makes (zero3.step_protocol): its own where no engine gave one.
+        self.protocol = protocol if protocol is not None else StepProtocol(comm)
         self.units = units
         # Gathered once and kept; released only when its shards are offloaded.
         self.persistent_unit = persistent_unit
@@ -279,7 +282,7 @@ class ParamCoordinator:
             # A local setter changed some rank's shards of it (zero3.accessors), maybe on that rank alone:
             # every rank gathers it again, so no rank gathers alone. One flag, agreed on the control group
             # (not inside a backward, whose walk's keeper may be using that group: the next forward does it).
-            if self.state is not TrainingState.BACKWARD and self.comm.any_of_flags([persistent.stale])[0]:
+            if self.state is not TrainingState.BACKWARD and self.protocol.flags([persistent.stale])[0]:
                 persistent.reshard()
             persistent.unshard()  # no-op unless an offload of lp_params released it, or it was stale
         self._release_root_returned()
@@ -331,7 +334,7 @@ class ParamCoordinator:
                     self.secondary.agree([row[1:] for row in extras])
             if self.forward_walk.lockstep and failed:
                 walk_failure = self.forward_walk.failure  # met while following the pass through
-                raise_peer_failure(self.comm, "forward", failure or walk_failure)
+                self.protocol.raise_if_peer_failed("forward", failure or walk_failure)
                 if failure is None and walk_failure is not None:
                     raise walk_failure
 
@@ -370,7 +373,7 @@ class ParamCoordinator:
         walk.end([1])
         if self.secondary is not None:
             self.secondary.forget()
-        raise_peer_failure(self.comm, "forward", failure)
+        self.protocol.raise_if_peer_failed("forward", failure)
 
     def _exit_saved_hooks(self) -> None:
         if self._saved_hooks is not None:

@@ -28,13 +28,12 @@ from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
 from zero3.topology import ShardMesh
 from zero3.partition.unit import GatherUnit
-from zero3.rank_failure import agreed
 from zero3.runtime.build import build
 from zero3.runtime.engine_checkpoints import CheckpointMethods
 from zero3.runtime.engine_getters import DeepSpeedGetters
 from zero3.runtime.engine_offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
 from zero3.runtime.lr_schedules import build_lr_scheduler
-from zero3.runtime.step_protocol import Owed, StepProtocol
+from zero3.step_protocol import Owed, StepProtocol
 from zero3.runtime.timers import StepTimers
 
 log = logging.getLogger("zero3")
@@ -71,8 +70,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.world_size = mesh.world_size
         self.batch = config.resolve_batch(mesh.world_size)
         self.compute_dtype = config.compute_dtype
+        # Where this rank stands in the step's collective calls, and every agreement (zero3.step_protocol).
+        self.protocol = StepProtocol(comm)
         # Paths are each rank's own filesystem: a check that fails on one rank fails on every rank.
-        agreed(comm, "initialize", lambda: check_tiers(config, device))
+        self.protocol.agree("initialize", lambda: check_tiers(config, device))
         if lr_scheduler is not None and (
             not callable(lr_scheduler) or isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
         ):
@@ -103,7 +104,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
 
         self.parts = build(
             model, config, comm, self.gather, device, model_parameters, self.global_rank, spec,
-            self.batch.gradient_accumulation_steps,
+            self.batch.gradient_accumulation_steps, self.protocol,
         )
         parts = self.parts
         self.units, self.persistent_unit, self.sharded_params = parts.units, parts.persistent_unit, parts.sharded_params
@@ -114,8 +115,6 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             parts.grads, parts.reducer, parts.loss_scaler, parts.optimizer
         )
         self.coordinator, self.offloader = parts.coordinator, parts.offloader
-        # Where this rank stands in the step's collective calls, and the engine's agreements (its Note).
-        self.protocol = StepProtocol(comm, parts.coordinator, parts.backward, parts.optimizer)
 
         self.lr_scheduler = None
         if self.optimizer is not None:

@@ -22,7 +22,7 @@ from zero3.config import Zero3Config
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
-from zero3.runtime.step_protocol import StepProtocol
+from zero3.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
 from zero3.runtime import rng_state

@@ -18,7 +18,7 @@ from zero3.enums import OffloadDevice, OffloadStateType, parse_offload_device, p
 from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import StateOffloadedError
-from zero3.runtime.step_protocol import StepProtocol
+from zero3.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 
 # The states each training call reads or writes (a call refuses to run while one is offloaded).

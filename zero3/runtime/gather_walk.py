@@ -294,12 +294,14 @@ class GatherWalk:
         extras: list[list[int]] = [extra]
         try:
             if self.lockstep:
+                self._draining = True
                 extras = self._drain(extra)
             else:
                 self.set_order(self.trace[: self._trace_cap])
             self.release_unclaimed()
             self._finish_side_work()
         finally:
+            self._draining = False
             if self._reserve is not None:
                 self._reserve = None
                 self.comm.forget_released()  # (the stand-ins' aliases would keep it otherwise)
@@ -465,13 +467,6 @@ class GatherWalk:
         return marker
 
     def _drain(self, extra: list[int]) -> list[list[int]]:
-        self._draining = True
-        try:
-            return self._drain_to_agreed_end(extra)
-        finally:
-            self._draining = False
-
-    def _drain_to_agreed_end(self, extra: list[int]) -> list[list[int]]:
         while True:
             while self.sequence and self._entry() != MARK:
                 entry = self._entry()

@@ -29,7 +29,6 @@ from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
-from zero3.rank_failure import raise_peer_failure
 
 log = logging.getLogger("zero3")
 
@@ -176,9 +175,15 @@ class BackwardPass:
         self.reducer.finish(any_rank_late=any(row[0] for row in extras))
         if len(extras) > 1 and any(row[1] for row in extras):  # one row: no peers were asked
             walk_failure = self.coordinator.backward_walk.failure  # met while following the pass through
-            raise_peer_failure(self.coordinator.comm, "backward", failure or walk_failure)
+            self.coordinator.protocol.raise_if_peer_failed("backward", failure or walk_failure)
             if failure is None and walk_failure is not None:
                 raise walk_failure
+
+    def join_as_failed(self, failure: BaseException) -> None:
+        """This rank failed after its forward while the others are in their backward: an empty backward,
+        ended at once with this rank's flag set, so every other rank raises `failure`."""
+        self.begin()
+        self.finish(failure)
 
     def close(self) -> None:
         for handle in self._handles:

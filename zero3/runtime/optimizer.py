@@ -61,7 +61,7 @@ from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
-from zero3.rank_failure import peer_failure, raise_agreed_failure
+from zero3.step_protocol import StepProtocol
 
 NOT_APPLIED = " (the step was applied on no rank)"
 
@@ -134,8 +134,11 @@ class ZeroOptimizer:
         matrix_bucket_numel: int = 500_000_000,
         ignore_unused_parameters: bool = True,
         masters_are_shards: bool = False,
+        protocol: StepProtocol | None = None,
     ) -> None:
         self.comm = comm
+        # The step's agreements (zero3.step_protocol): its own where no engine gave one.
+        self.protocol = protocol if protocol is not None else StepProtocol(comm)
         self.device = device
         # DeepSpeed's zero_optimization.ignore_unused_parameters=false: a trained parameter without a
         # gradient on every rank is an error (zero3 otherwise steps it as torch does: not at all).
@@ -378,7 +381,7 @@ class ZeroOptimizer:
         if self.comm.job_alone:
             return squared[0], failed  # nothing to agree with: this rank's flags are everyone's
         arrived = self.grads.arrived
-        agreed = self.comm.any_of_flags([arrived[sp] for sp in self.params] + [failed])
+        agreed = self.protocol.flags([arrived[sp] for sp in self.params] + [failed])
         for sp, flag in zip(self.params, agreed):
             arrived[sp] = flag
         return squared[0], agreed[-1]
@@ -427,7 +430,7 @@ class ZeroOptimizer:
         squared, any_failed = self.agree_on_gradients(failed=failure is not None)
         if any_failed:
             self.lp_stale = repairing  # kept alike on every rank
-            raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
+            self.protocol.fail_together("step", failure, NOT_APPLIED)
         assert work is not None
         if not self.ignore_unused_parameters:
             unused = [sp.name for sp in self.params if not self.grads.arrived[sp]]  # agreed: alike everywhere
@@ -486,9 +489,7 @@ class ZeroOptimizer:
                 self._orthogonalize_matrices(coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
-            if self.comm.any_of_flags([failure is not None])[0]:
-                put_back()
-                raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
+            self.protocol.settle("step", failure, NOT_APPLIED, undo=put_back)
         before = self._scalar_snapshot()
         streamed = self.states.transactional
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
@@ -517,17 +518,17 @@ class ZeroOptimizer:
         finally:
             if streamed:
                 self.unbind_views()  # the windows are reused: no view of them may outlive the walk
-        any_failed, any_lp_failed = self.comm.any_of_flags([failure is not None, lp_failure is not None])
+        any_failed, any_lp_failed = self.protocol.flags([failure is not None, lp_failure is not None])
         if any_failed:
             self._abandon(before, put_back, streamed)
             if streamed:
-                raise_agreed_failure(self.comm, "step", failure, NOT_APPLIED)
+                self.protocol.fail_together("step", failure, NOT_APPLIED)
             self.diverged = (
                 "an optimizer step failed on one rank after the others had applied it in place, so the ranks' "
                 "shards are now from different steps; load the last checkpoint (engine.load_checkpoint) "
                 "before training on"
             )
-            raise_agreed_failure(self.comm, "step", failure, f" ({self.diverged})")
+            self.protocol.fail_together("step", failure, f" ({self.diverged})")
         self.states.commit()
         self.lp_write_error = None
         if any_lp_failed:
@@ -540,7 +541,7 @@ class ZeroOptimizer:
                 "forward. Do not repeat the step.",
                 step_applied=True,
             )
-            peer = peer_failure(self.comm, "step", own)
+            peer = self.protocol.peer_failure("step", own)
             self.lp_write_error = own if own is not None else peer  # type: ignore[assignment]
         self.zero_grad()
         return True, norm
@@ -549,7 +550,7 @@ class ZeroOptimizer:
         """This rank failed before its step while the others are in theirs: make this rank's part of
         the step's first agreement as a rank that failed, so every other rank raises `failure`."""
         self.agree_on_gradients(failed=True)
-        peer_failure(self.comm, "step", failure)
+        self.protocol.peer_failure("step", failure)
 
     def _abandon(self, before: _ScalarSnapshot, put_back: Callable[[], None],
                  streamed: bool) -> None:
@@ -566,7 +567,7 @@ class ZeroOptimizer:
                 self.repair_lp()
             except OSError:
                 failed = True
-            self.lp_stale = self.comm.any_of_flags([failed])[0]
+            self.lp_stale = self.protocol.flags([failed])[0]
 
     def _step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
