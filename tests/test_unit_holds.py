@@ -51,3 +51,14 @@ def test_close_drops_every_hold_and_persistence(unit: GatherUnit) -> None:
     unit.acquire(Hold.BACKWARD)
     unit.close()
     assert not unit.needed and unit.holds(Hold.PIN) == 0 and unit.holds(Hold.BACKWARD) == 0
+
+
+def test_gathered_parameters_leaves_tensors_that_are_not_partitioned_alone() -> None:
+    """DeepSpeed accepts plain tensors in GatheredParameters, a modifier rank too: nothing to gather or write."""
+    import zero3
+
+    plain = torch.ones(3)
+    for modifier in (None, 0):
+        with zero3.GatheredParameters([plain, None], modifier_rank=modifier):
+            plain.add_(1.0)
+    assert torch.equal(plain, torch.full((3,), 3.0))
