@@ -206,17 +206,41 @@ def test_failures_between_steps_on_one_rank_are_every_ranks(tmp_path: Path, worl
         assert all(torch.equal(a, b) for a, b in zip(out["trained_on"], out["reference_trained_on"]))
 
 
+def params_on_disk(root: str, rank: int, **zero: Any) -> dict:
+    """CONFIG with the 16-bit parameters on disk (offload_param nvme, none kept in memory), in a directory
+    of this rank's own."""
+    tier = os.path.join(root, f"params-rank{rank}")
+    os.makedirs(tier, exist_ok=True)
+    return {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], **zero,
+                                            "offload_param": {"device": "nvme", "nvme_path": tier, "max_in_cpu": 0}}}
+
+
+def trained_once(config: dict, rank: int, world: int) -> tuple[zero3.ZeroEngine, torch.nn.Module, dict[str, Any]]:
+    """An engine after one step, and its masters then (`out["reference"]`)."""
+    engine, model = engine_and_model(config)
+    train(engine, rank, world, 1)
+    return engine, model, {"reference": masters(model)}
+
+
+def train_on_beside_reference(engine: zero3.ZeroEngine, model: torch.nn.Module, config: dict, rank: int, world: int,
+                              out: dict[str, Any]) -> dict[str, Any]:
+    """One more step after the fault, and the same two steps on a fresh engine that never saw it."""
+    train(engine, rank, world, 1, seed=3)
+    out["trained_on"] = masters(model)
+    engine.destroy()
+    engine, model = engine_and_model(config)
+    train(engine, rank, world, 1)
+    train(engine, rank, world, 1, seed=3)
+    out["reference_trained_on"] = masters(model)
+    engine.destroy()
+    return out
+
+
 def failing_fetch_on_enter(rank: int, world: int, root: str) -> dict[str, Any]:
     """The parameters live on disk (offload_param nvme); the failing rank's reads of them fail, every
     time, while it enters a GatheredParameters block (with and without a modifier rank)."""
-    tier = os.path.join(root, f"params-rank{rank}")
-    os.makedirs(tier, exist_ok=True)
-    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "offload_param": {
-        "device": "nvme", "nvme_path": tier, "max_in_cpu": 0}}}
-    out: dict[str, Any] = {}
-    engine, model = engine_and_model(config)
-    train(engine, rank, world, 1)
-    out["reference"] = masters(model)
+    config = params_on_disk(root, rank)
+    engine, model, out = trained_once(config, rank, world)
     undo = on_failing_rank(rank, disk_io, "_pread_all",
                            lambda fd, into, offset, path, read=disk_io._pread_all: read(-1, into, offset, path))
     for modifier in (0, None, 0):  # the fault persists: the second entry with a modifier fails as the first
@@ -229,15 +253,7 @@ def failing_fetch_on_enter(rank: int, world: int, root: str) -> dict[str, Any]:
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), out["reference"]))
     with zero3.GatheredParameters(model.fc1.weight):
         out["whole"] = model.fc1.weight.detach().clone()
-    train(engine, rank, world, 1, seed=3)
-    out["trained_on"] = masters(model)
-    engine.destroy()
-    engine, model = engine_and_model(config)  # the same two steps, no fault
-    train(engine, rank, world, 1)
-    train(engine, rank, world, 1, seed=3)
-    out["reference_trained_on"] = masters(model)
-    engine.destroy()
-    return out
+    return train_on_beside_reference(engine, model, config, rank, world, out)
 
 
 @pytest.mark.timeout(240)
@@ -259,14 +275,8 @@ def failing_write_back(rank: int, world: int, root: str) -> dict[str, Any]:
     """The parameters live on disk (offload_param nvme); rank 0 edits fc1's weight and bias (the bias is kept
     gathered: persistent) under GatheredParameters(modifier_rank=0), and the failing rank's writes to its
     parameter files fail, every time, while the block exits (its put-back of the old shard fails too)."""
-    tier = os.path.join(root, f"params-rank{rank}")
-    os.makedirs(tier, exist_ok=True)
-    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "stage3_param_persistence_threshold": 64,
-                                              "offload_param": {"device": "nvme", "nvme_path": tier, "max_in_cpu": 0}}}
-    out: dict[str, Any] = {}
-    engine, model = engine_and_model(config)
-    train(engine, rank, world, 1)
-    out["reference"] = masters(model)
+    config = params_on_disk(root, rank, stage3_param_persistence_threshold=64)
+    engine, model, out = trained_once(config, rank, world)
     undo = on_failing_rank(rank, disk_io, "_pwrite_all",
                            lambda fd, data, offset, path, write=disk_io._pwrite_all: write(-1, data, offset, path))
 
@@ -279,15 +289,7 @@ def failing_write_back(rank: int, world: int, root: str) -> dict[str, Any]:
     out["exited"] = caught(block)
     undo()
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(masters(model), out["reference"]))
-    train(engine, rank, world, 1, seed=3)
-    out["trained_on"] = masters(model)
-    engine.destroy()
-    engine, model = engine_and_model(config)  # the same two steps, no block
-    train(engine, rank, world, 1)
-    train(engine, rank, world, 1, seed=3)
-    out["reference_trained_on"] = masters(model)
-    engine.destroy()
-    return out
+    return train_on_beside_reference(engine, model, config, rank, world, out)
 
 
 @pytest.mark.timeout(240)
