@@ -23,7 +23,11 @@ repair, GatheredParameters) ask it, never the communicator:
   `peer_failure` / `raise_if_peer_failed`: the exchange alone, where a pass's
   marker already carried the flags;
 * `agree(where, action)`: a call between steps run on every rank, raised on
-  every rank if it raised on any.
+  every rank if it raised on any; `outcomes` (each rank's failure beside what
+  it found, in one message) and `problems` (a line per rank that met one) for
+  the calls that decide more than whether to raise: a checkpoint's save and
+  load, the tiers' checks of free space. A save run in the background agrees
+  on a group of its own (`group`), off the training thread's.
 Every agreement runs on the job's control group (`comm.control_group`), so a
 failure anywhere is every rank's. This is the seam a fault-tolerance manager
 hooks into: its quorum before the forward of a step's first micro-step, its
@@ -35,10 +39,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from zero3.comm import Communicator
-from zero3.rank_failure import agreed, peer_failure, raise_agreed_failure, raise_peer_failure
+from zero3.rank_failure import agreed, describe, first_failure, peer_failure, raise_agreed_failure, raise_peer_failure
 
 T = TypeVar("T")
 
@@ -115,6 +119,20 @@ class StepProtocol:
     def raise_if_peer_failed(self, where: str, own: BaseException | None, consequence: str = "") -> None:
         """`peer_failure`, raised where there is one (a rank that failed goes on with its own exception)."""
         raise_peer_failure(self.comm, where, own, consequence)
+
+    def outcomes(self, own: BaseException | None, payload: Any = None, group: Any = None) -> list[tuple[Any, Any]]:
+        """One exchange of every rank's failure (described: zero3.rank_failure's `describe`) beside its
+        `payload` (what the call found, in the same message), on `group` (default: the control group)."""
+        return self.comm.all_gather_objects((describe(own), payload), group)
+
+    def first_failure(self, where: str, outcomes: list[tuple[Any, Any]], consequence: str = "") -> BaseException | None:
+        """From `outcomes`, the first failing rank's exception, rebuilt ("rank R failed in <where>: ...")."""
+        return first_failure([described for described, _ in outcomes], where, consequence)
+
+    def problems(self, problem: str | None, group: Any = None) -> list[str]:
+        """Every rank's problem, a line each (a rank that had none says None), in one exchange on `group`:
+        the lines that were said, in rank order."""
+        return [found for found in self.comm.all_gather_objects(problem, group) if found is not None]
 
     def agree(self, where: str, action: Callable[[], T], consequence: str = "",
               undo: Callable[[], None] | None = None) -> T:

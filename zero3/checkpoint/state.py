@@ -46,6 +46,7 @@ from zero3.checkpoint.tags import (
 )
 from zero3.comm import Communicator
 from zero3.rank_failure import describe, first_failure
+from zero3.step_protocol import StepProtocol
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
@@ -112,6 +113,7 @@ class CheckpointedEngine:
 
     module: torch.nn.Module
     comm: Communicator
+    protocol: StepProtocol  # where a save's and a load's ranks agree (zero3.step_protocol)
     rank: int  # in the job
     world_size: int
     compute_dtype: torch.dtype
@@ -246,7 +248,7 @@ def save(
             staging_dir(root, tag).mkdir()
         except OSError as error:
             problem = save_failure(error, root, 0)
-    _agree(comm, problem, None, root, tag, engine.rank)  # rank 0's failure is every rank's (none waits for it)
+    _agree(engine.protocol, problem, None, root, tag, engine.rank)  # rank 0's failure is every rank's (none waits)
     # The engine's own state is taken now (an async write must not see later steps): a copy, so that
     # the writer never has to read anything back (see zero3.checkpoint.trust's Note).
     rank_states = comm.all_gather_objects(engine.rank_state) if engine.rank_state is not None else None
@@ -254,10 +256,10 @@ def save(
     live = entries(engine, optimizer_states=engine.optimizer is not None)
     job = _Write(root, tag, engine_state, save_latest, keep_last, engine.rank)
     if executor is None:
-        return job.run(comm, live, comm.control_group)
+        return job.run(engine.protocol, live, comm.control_group)
     staged = _stage(live, engine.host_pool, engine.device)
     group = comm.checkpoint_group()
-    return executor.submit(job.run, comm, staged, group)
+    return executor.submit(job.run, engine.protocol, staged, group)
 
 
 def _stage(live: dict[str, Any], pool: HostBufferPool, device: torch.device) -> dict[str, Any]:
@@ -312,8 +314,10 @@ class _Write:
     keep_last: int | None
     rank: int  # this rank in the job
 
-    def run(self, comm: Communicator, state: dict[str, Any], group: Any) -> Path:
-        """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`)."""
+    def run(self, protocol: StepProtocol, state: dict[str, Any], group: Any) -> Path:
+        """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`), agreed on
+        `group` (an async save's own, off the training thread's)."""
+        comm = protocol.comm
         staged = staging_dir(self.root, self.tag)
         problem = None
         try:
@@ -327,7 +331,7 @@ class _Write:
                 sums[file.name] = item_checksums(file, items.get(file.name, []))
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
-        _agree(comm, problem, group, self.root, self.tag, self.rank)
+        _agree(protocol, problem, group, self.root, self.tag, self.rank)
         files: dict[str, FileSums] = {}
         for found in comm.all_gather_objects(sums, group):
             files.update(found)
@@ -340,7 +344,7 @@ class _Write:
                 publish(self.root, self.tag, self.save_latest)
             except Exception as error:  # noqa: BLE001 - told to every rank below
                 problem = save_failure(error, staged, 0)
-        _agree(comm, problem, group, self.root, self.tag, self.rank)
+        _agree(protocol, problem, group, self.root, self.tag, self.rank)
         if self.rank == 0 and self.keep_last is not None:
             removed = prune(self.root, self.keep_last, self.tag)
             if removed:
@@ -377,15 +381,15 @@ def save_failure(error: BaseException, directory: Path, rank: int) -> str:
 _NEARLY_FULL = 1 << 20  # bytes: a write that failed with less free than this failed for room
 
 
-def _agree(comm: Communicator, problem: str | None, group: Any, root: Path, tag: str, rank: int) -> None:
+def _agree(protocol: StepProtocol, problem: str | None, group: Any, root: Path, tag: str, rank: int) -> None:
     """Every rank learns whether any failed; if one did, the partial tag is removed and every rank raises
     the same CheckpointError (what `latest` names is untouched)."""
-    problems = [found for found in comm.all_gather_objects(problem, group) if found is not None]
+    problems = protocol.problems(problem, group)
     if not problems:
         return
     if rank == 0:
         shutil.rmtree(staging_dir(root, tag), ignore_errors=True)
-    comm.barrier(group)  # every rank raises once the partial tag is gone
+    protocol.comm.barrier(group)  # every rank raises once the partial tag is gone
     latest = root / LATEST
     kept = f"'latest' still names {latest.read_text().strip()!r}" if latest.is_file() else "no tag was published"
     raise CheckpointError(f"save_checkpoint of tag {tag!r} into {str(root)!r} failed: {problems[0]}. Nothing was "
@@ -532,7 +536,6 @@ def load(
     as it is read, before any is copied (zero3.checkpoint.trust's [Note: verified reads]). At the layout
     the checkpoint was saved with, each rank reads its items itself, without DCP
     (zero3.checkpoint.same_layout's Note); at another, DCP reshards."""
-    comm = engine.comm
     optimizer = engine.optimizer
     own: Exception | None = None
     found: list[str] = []
@@ -560,20 +563,20 @@ def load(
             paging.stop()
     # One exchange: what each rank's checks found (a rank may see other files than the rest: its own disk),
     # whether it could read at the saved layout, and what those reads found.
-    everyone = comm.all_gather_objects((describe(own), found, direct is not None, misread))
-    at_saved_layout = all(read_directly for _, _, read_directly, _ in everyone)
+    everyone = engine.protocol.outcomes(own, (found, direct is not None, misread))
+    at_saved_layout = all(read_directly for _, (_, read_directly, _) in everyone)
     try:
         if own is not None:
             raise own
-        peer = first_failure([failure for failure, *_ in everyone], "load_checkpoint")
+        peer = engine.protocol.first_failure("load_checkpoint", everyone)
         if peer is not None:
             raise peer
-        found = [line for _, lines, *_ in everyone for line in lines]
+        found = [line for _, (lines, _, _) in everyone for line in lines]
         if found:
             raise damage_error(path, found)
         if at_saved_layout:
             assert direct is not None
-            misread = list(dict.fromkeys(line for *_, lines in everyone for line in lines))  # (once per item)
+            misread = list(dict.fromkeys(line for _, (_, _, lines) in everyone for line in lines))  # (once per item)
             if misread:
                 raise damage_error(path, misread)
             direct.commit()

@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from zero3 import accelerator
-from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.offload.disk import FileIO
 from zero3.offload.host import HostBufferPool
@@ -28,6 +27,7 @@ from zero3.offload.optimizer_tier import DiskOptimizerStates, MemoryOptimizerSta
 from zero3.offload.param_tier import DiskShardTier, HostShardSource, split_units
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.unit import GatherUnit, ShardSource
+from zero3.step_protocol import StepProtocol
 
 log = logging.getLogger("zero3")
 
@@ -77,13 +77,14 @@ def check_writable_directory(key: str, path: str) -> None:
         raise TierConfigError(f"{key}={path!r}: the directory is not writable ({error.strerror or error})") from None
 
 
-def check_free_space(needs: dict[str, tuple[str, int]], comm: Communicator | None = None) -> None:
+def check_free_space(needs: dict[str, tuple[str, int]], protocol: StepProtocol | None = None) -> None:
     """`needs`: key -> (path, bytes) of this rank's tier files. Every rank's needs on one filesystem (one
-    machine, one device id) add up, since ranks of a node usually share a disk; with `comm` every rank
-    learns every rank's verdict and raises the same TierConfigError. Fails before any file is written."""
+    machine, one device id) add up, since ranks of a node usually share a disk; with the engine's
+    `protocol` every rank learns every rank's verdict and raises the same TierConfigError. Fails before any
+    file is written."""
     host = socket.gethostname()
     mine = [(host, os.stat(path).st_dev, key, path, nbytes) for key, (path, nbytes) in needs.items()]
-    everyone = comm.all_gather_objects(mine) if comm is not None else [mine]
+    everyone = protocol.comm.all_gather_objects(mine) if protocol is not None else [mine]
     by_disk: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
     for rank, entries in enumerate(everyone):
         for machine, device, key, path, nbytes in entries:
@@ -103,8 +104,7 @@ def check_free_space(needs: dict[str, tuple[str, int]], comm: Communicator | Non
                 f"on one filesystem ({whose}), and {human_bytes(free)} are free. Nothing was written."
             )
             break
-    problems = comm.all_gather_objects(problem) if comm is not None else [problem]
-    found = [p for p in problems if p is not None]
+    found = protocol.problems(problem) if protocol is not None else [p for p in [problem] if p is not None]
     if found:
         raise TierConfigError(found[0])
 

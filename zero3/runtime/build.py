@@ -200,7 +200,7 @@ def build(
     optimizer_state_count = 1 + len(state_layout.elementwise) if state_layout is not None else 0
     check_free_space(disk_needs(
         config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
-    ), comm)
+    ), protocol)
     layout = lay_out_params(config, all_units, compute_dtype, device, disk)
 
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.

@@ -377,7 +377,7 @@ class CheckpointMethods:
     def _checkpointed(self, saving: bool = False) -> checkpoint_state.CheckpointedEngine:
         checkpoint_state = _state()
         return checkpoint_state.CheckpointedEngine(
-            module=self.module, comm=self.comm, rank=self.global_rank, world_size=self.world_size,
+            module=self.module, comm=self.comm, protocol=self.protocol, rank=self.global_rank, world_size=self.world_size,
             compute_dtype=self.compute_dtype, device=self.device, sharded_params=self.parts.sharded_params,
             optimizer=self.optimizer, loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
             host_pool=self.parts.host_pool,
