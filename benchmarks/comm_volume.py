@@ -29,7 +29,6 @@ Also the median step time of each variant at 2 x 2 here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance  # benchmarks/provenance.py, beside this script
+    from provenance import write_run  # benchmarks/provenance.py, beside this script
 
     rows: dict[str, Any] = {}
     for name, (zero, big_zero) in VARIANTS.items():
@@ -276,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['median_step_ms']:8.1f}")
     print("the ZeRO++ paper's cross-node volume per step, in M: " + ", ".join(
         f"{name} {value}M" for name, value in PAPER_CROSS_NODE_M.items()))
-    out = {"benchmark": "comm_volume", "provenance": provenance(), "setup": vars(args) | {"json": str(args.json)},
-           "variants": rows, "paper_cross_node_M": PAPER_CROSS_NODE_M}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json}")
+    write_run(args.json, "comm_volume", args, variants=rows, paper_cross_node_M=PAPER_CROSS_NODE_M)
     return 0
 
 

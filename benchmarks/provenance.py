@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
@@ -43,3 +44,12 @@ def provenance() -> dict[str, Any]:
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python", str(script), *sys.argv[1:]]),
             "machine": machine(), "torch": torch.__version__}
+
+
+def write_run(path: Path, benchmark: str, args: Any, **figures: Any) -> None:
+    """A run's JSON at `path`: the benchmark's name, its provenance, its arguments (`setup`) and `figures`."""
+    setup = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    out = {"benchmark": benchmark, "provenance": provenance(), "setup": setup, **figures}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")

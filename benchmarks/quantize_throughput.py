@@ -15,7 +15,6 @@ kernel must move at the least: bf16 values read plus encoded bytes written (quan
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "quantize.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance  # benchmarks/provenance.py, beside this script
+    from provenance import write_run  # benchmarks/provenance.py, beside this script
 
     device = torch.device(args.device)
     rows = [measure(parse_count(size), device, args.repeats) for size in args.sizes.split(",")]
@@ -83,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = min(row[c] for c in columns[1:])
         print(f"{int(row['numel']):>12,} " + " ".join(f"{row[c]:16.1f}" for c in columns)
               + f" {worst / row['copy_GBps']:11.2f}")
-    out = {"benchmark": "quantize_throughput", "provenance": provenance(), "setup": vars(args) | {"json": str(args.json)},
-           "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json}")
+    write_run(args.json, "quantize_throughput", args, rows=rows)
     return 0
 
 

@@ -14,7 +14,6 @@ and writes JSON with every step's loss (`python benchmarks/figures.py --plots` d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import provenance  # benchmarks/provenance.py, beside this script
+    from provenance import write_run  # benchmarks/provenance.py, beside this script
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -112,12 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, curve in curves.items():
         print(f"{name:18} " + " ".join(f"{curve[m]:9.3f}" for m in marks)
               + f" {final[name]:9.3f} {final[name] / plain:9.3f}")
-    out = {"benchmark": "zeropp_loss", "provenance": provenance(),
-           "setup": vars(args) | {"json": str(args.json)},
-           "curves": curves, "final_mean": final, "final_vs_plain": {n: v / plain for n, v in final.items()}}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json}")
+    write_run(args.json, "zeropp_loss", args, curves=curves, final_mean=final,
+              final_vs_plain={n: v / plain for n, v in final.items()})
     return 0
 
 

@@ -113,14 +113,7 @@ def train_routed_sync(rank: int, world: int, zero: dict) -> dict:
     torch.manual_seed(0)
     model = models.RoutedSync()
     engine, *_ = zero3.initialize(model=model, config=config(**zero))
-    losses = []
-    for x, y in models.batches("x8", STEPS, MICRO * world):
-        loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().reshape(1).clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = models.mean_losses(engine, rank, world, models.batches("x8", STEPS, MICRO * world))
     walks = (engine.coordinator.forward_walk, engine.coordinator.backward_walk)
     result = {"losses": losses, "keeper_gathers": sum(walk.keeper_gathers for walk in walks),
               "params": {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}}

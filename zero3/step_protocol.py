@@ -90,11 +90,6 @@ class StepProtocol:
             join(failure)
 
     # ---- agreements -----------------------------------------------------------------------
-    @property
-    def alone(self) -> bool:
-        """A job of one rank: every agreement is this rank's own."""
-        return self.comm.job_alone
-
     def flags(self, flags: list[bool]) -> list[bool]:
         """For each flag, whether any rank set it (one host all-reduce on the control group)."""
         return self.comm.any_of_flags(flags)

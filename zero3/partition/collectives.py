@@ -133,7 +133,7 @@ class ParamGather:
     def stand_in_nbytes(self, shard_numel: int, dtype: torch.dtype) -> int:
         """Bytes of reserve `start_stand_in` uses for a shard of `shard_numel` elements."""
         numel, wire_dtype = self._wire(shard_numel, dtype)
-        return (self.mesh.shard_size + 1) * numel * wire_dtype.itemsize
+        return stand_in_nbytes(numel, self.mesh.shard_size * numel, wire_dtype)
 
     def start_stand_in(self, shard_numel: int, dtype: torch.dtype, reserve: torch.Tensor) -> PendingGather:
         """This rank's part in a gather whose result it will not use (a pass that failed here): the same
@@ -141,9 +141,7 @@ class ParamGather:
         `stand_in_nbytes`): nothing read from a tier, nothing allocated (zero3.runtime.gather_walk's Note)."""
         numel, wire_dtype = self._wire(shard_numel, dtype)
         size = self.mesh.shard_size
-        room = reserve[: (size + 1) * numel * wire_dtype.itemsize].view(wire_dtype)
-        shard, output = room[:numel], room[numel:]
-        shard.zero_()
+        shard, output = stand_in_room(reserve, numel, size * numel, wire_dtype)
         if size == 1:
             return PendingGather(output, None)
         assert self.comm is not None, "a layout-only mesh cannot gather"
@@ -172,6 +170,21 @@ class ParamGather:
             cursor += size * numel
         torch.split_with_sizes_copy(gathered.view(size, sum(shard_numels)), shard_numels, dim=1, out=blocks)
         return laid_out
+
+
+def stand_in_nbytes(shard_numel: int, output_numel: int, dtype: torch.dtype) -> int:
+    """Bytes of reserve a stand-in gather (`stand_in_room`) takes."""
+    return (shard_numel + output_numel) * dtype.itemsize
+
+
+def stand_in_room(reserve: torch.Tensor, shard_numel: int, output_numel: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stand-in gather's zeroed shard to send and its output, carved from `reserve` (bytes): the same sizes
+    as the real gather's, nothing allocated (zero3.runtime.gather_walk's Note)."""
+    room = reserve[: stand_in_nbytes(shard_numel, output_numel, dtype)].view(dtype)
+    shard, output = room[:shard_numel], room[shard_numel:]
+    shard.zero_()
+    return shard, output
 
 
 def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device) -> torch.Tensor:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from zero3.comm import Communicator
-from zero3.partition.collectives import PendingGather
+from zero3.partition.collectives import PendingGather, stand_in_nbytes, stand_in_room
 from zero3.partition.unit import GatherUnit
 from zero3.topology import ShardMesh
 
@@ -156,16 +156,15 @@ class SecondaryShards:
 
     def stand_in_nbytes(self, unit: GatherUnit) -> int:
         """Bytes of reserve `start_stand_in` uses for `unit`."""
-        return (self.primary.shard_size + self.shards_per_rank) * unit.shard_numel * unit.dtype.itemsize
+        return stand_in_nbytes(self.shards_per_rank * unit.shard_numel, self.primary.shard_size * unit.shard_numel,
+                               unit.dtype)
 
     def start_stand_in(self, unit: GatherUnit, reserve: torch.Tensor) -> PendingGather:
         """`start_gather`'s collective for a unit the ranks hold secondary shards of, by a rank that will not
         use the result: zeros sent, the result in `reserve` (GatherUnit.start_stand_in)."""
         assert self.comm is not None
-        numel = self.primary.shard_size * unit.shard_numel
-        room = reserve[: self.stand_in_nbytes(unit)].view(unit.dtype)
-        output, shard = room[:numel], room[numel:]
-        shard.zero_()
+        shard, output = stand_in_room(reserve, self.shards_per_rank * unit.shard_numel,
+                                      self.primary.shard_size * unit.shard_numel, unit.dtype)
         return PendingGather(output, self.comm.all_gather_secondary(output, shard, async_op=True))
 
     def recorder(self, unit: GatherUnit) -> functools.partial[None] | None:

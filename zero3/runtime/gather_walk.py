@@ -342,18 +342,24 @@ class GatherWalk:
         """Issue an entry this rank does not need now (another rank may)."""
         if not self.lockstep:
             return  # nobody else waits on it
+        if unit.state is UnitState.SHARDED and not self.failing:
+            self._make_room(unit.numel)
+        self._issue_entry(unit)
+        # Within the prefetch budget (each bound moves only with its own kind of entry).
+        while self._unclaimed_numel > self.prefetch_numel and self._unclaimed:
+            self._release_oldest()
+        while self._throwaway_numel > self.prefetch_numel and self._throwaway:
+            self._drop_throwaway()
+
+    def _issue_entry(self, unit: GatherUnit) -> None:
+        """This rank's part in an entry it does not need now: a gather the walk holds until claimed, or, for
+        a unit gathered here already (in use), a spare gather for the others; in a failed pass, a stand-in."""
         if self.failing:
             self._stand_in(unit)
         elif unit.state is UnitState.SHARDED:
-            self._make_room(unit.numel)
             self._gather_unclaimed(unit)
-            while self._unclaimed_numel > self.prefetch_numel and self._unclaimed:
-                self._release_oldest()
         else:
-            # Gathered here already (in use): still part of the collective for the others.
             self._issue(unit, lambda: self._spare(unit))
-            while self._throwaway_numel > self.prefetch_numel and self._throwaway:
-                self._drop_throwaway()
 
     def _spare(self, unit: GatherUnit) -> None:
         spare = unit.start_gather()
@@ -538,9 +544,4 @@ class GatherWalk:
                 return
             self._pos += 1
             self.keeper_gathers += 1
-            if self.failing:
-                self._stand_in(unit)
-            elif unit.state is UnitState.SHARDED:
-                self._gather_unclaimed(unit)
-            else:
-                self._issue(unit, lambda: self._spare(unit))
+            self._issue_entry(unit)
