@@ -172,13 +172,13 @@ def train(argv: list[str]) -> None:
 
     real_checksums = checkpoint_state.checksums
 
-    def checksums_or_die(files: list[Path]) -> Any:
+    def checksums_or_die(files: list[Path], checksum: Any) -> Any:
         # Called by the save (in the background, for an async one) once its files are written; the tag
         # being written says which step's save this is.
         saving = files[0].parent.name if files else ""
         if any(saving == f".global_step{step}.incomplete" for step, point in my_kills if point == "mid_save"):
             die()
-        return real_checksums(files)
+        return real_checksums(files, checksum)
 
     checkpoint_state.checksums = checksums_or_die  # type: ignore[assignment]
 

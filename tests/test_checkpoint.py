@@ -206,7 +206,7 @@ def crashing_save(rank: int, world: int, port: int, root: str) -> None:
     engine.save_checkpoint(os.path.join(root, "run"), tag="a")
     train(engine, rank, world, data()[1:2])
     if rank == 1:  # dies after its DCP files are written, before the tag is published
-        state.checksums = lambda files: os._exit(3)  # type: ignore[assignment]
+        state.checksums = lambda files, checksum: os._exit(3)  # type: ignore[assignment]
     engine.save_checkpoint(os.path.join(root, "run"), tag="b")
 
 
@@ -398,32 +398,50 @@ def flip_byte(file: str, at: int) -> None:
 
 
 def other_reads(rank: int, world: int, root: str, good: str) -> dict:
-    """The checkpoint loaded three ways: as saved (its small items read, not mapped), with every item
-    read through the mapping, and from a copy whose engine file sums each data file whole (as a tag
-    saved before item sums does); a flipped byte refused each way, changing nothing."""
+    """The checkpoint loaded in other ways than a save of today is: as saved (its small items read, not
+    mapped), with every item read through the mapping, from a copy summed as the zero3 before XXH3 summed
+    it (each item's CRC-32, no "checksum" named), and from one whose engine file sums each data file whole
+    with CRC-32 (a tag saved before item sums); a flipped byte refused each way, and a checksum this zero3
+    does not know refused, changing nothing."""
     import shutil
 
     from zero3.checkpoint import trust
-    from zero3.checkpoint.tags import checksums, dcp_files, write_engine_sum
+    from zero3.checkpoint.tags import CRC32, checksums, dcp_files, item_checksums, write_engine_sum
 
     engine = build("fp32", root, seed=99)  # (joins the process group)
-    copies = {case: os.path.join(root, case, f"global_step{SAVED_AT}") for case in ("whole", "whole_flip", "flip")}
+    cases = ("whole", "whole_flip", "crc32", "crc32_flip", "flip", "unknown")
+    copies = {case: os.path.join(root, case, f"global_step{SAVED_AT}") for case in cases}
     if rank == 0:
         for case, copy in copies.items():
             shutil.copytree(good, copy)
+            engine_file = Path(copy) / "zero3_engine.pt"
+            state = torch.load(engine_file, weights_only=True)
+            if case.startswith(("whole", "crc32")):
+                del state["checksum"]
             if case.startswith("whole"):
-                engine_file = Path(copy) / "zero3_engine.pt"
-                state = torch.load(engine_file, weights_only=True)
-                state["files"] |= checksums(dcp_files(Path(copy)))
-                torch.save(state, engine_file)
-                write_engine_sum(engine_file)
-        flip_byte(os.path.join(copies["whole_flip"], "__0_0.distcp"), 300)
+                state["files"] |= checksums(dcp_files(Path(copy)), CRC32)
+                state["files"][".metadata"] = checksums([Path(copy) / ".metadata"], CRC32)[".metadata"]
+            if case.startswith("crc32"):
+                for file in dcp_files(Path(copy)):
+                    _, items = state["files"][file.name]
+                    spans = [(offset, length) for offset, (length, _) in items.items()]
+                    state["files"][file.name] = item_checksums(file, spans, CRC32)
+                state["files"][".metadata"] = checksums([Path(copy) / ".metadata"], CRC32)[".metadata"]
+            if case == "unknown":
+                state["checksum"] = "sha3_512"
+            torch.save(state, engine_file)
+            write_engine_sum(engine_file)
+        for case in ("whole_flip", "crc32_flip"):
+            flip_byte(os.path.join(copies[case], "__0_0.distcp"), 300)
         flip_byte(os.path.join(copies["flip"], "__1_0.distcp"), 300)
     torch.distributed.barrier()
     out: dict[str, Any] = {}
-    for case, where, read_below in (("items", good, trust._READ_BELOW), ("whole", copies["whole"], trust._READ_BELOW),
-                                    ("mapped", good, 0), ("whole_flip", copies["whole_flip"], trust._READ_BELOW),
-                                    ("flip", copies["flip"], 0)):
+    read_as_saved = trust._READ_BELOW
+    for case, where, read_below in (("items", good, read_as_saved), ("whole", copies["whole"], read_as_saved),
+                                    ("crc32", copies["crc32"], read_as_saved), ("mapped", good, 0),
+                                    ("whole_flip", copies["whole_flip"], read_as_saved),
+                                    ("crc32_flip", copies["crc32_flip"], 0), ("flip", copies["flip"], 0),
+                                    ("unknown", copies["unknown"], read_as_saved)):
         trust._READ_BELOW, kept = read_below, trust._READ_BELOW
         before = snapshot(engine)
         try:
@@ -435,22 +453,25 @@ def other_reads(rank: int, world: int, root: str, good: str) -> dict:
         trust._READ_BELOW = kept
         train(engine, rank, world, data()[:1])  # every state moves on: the next load must bring it back
     engine.destroy()
-    for case in ("whole", "mapped"):
+    for case in ("whole", "crc32", "mapped"):
         out[case] = all(torch.equal(out["items"][k], value) for k, value in out[case].items())
     del out["items"]
     return out
 
 
-def test_items_read_through_the_mapping_or_files_summed_whole_load_alike_and_are_checked(
+def test_items_read_through_the_mapping_or_summed_as_older_tags_load_alike_and_are_checked(
     saved: tuple[str, list[dict]], tmp_path: Path
 ) -> None:
     root, _ = saved
     good = os.path.join(root, "fp32", f"global_step{SAVED_AT}")
     for out in run_ranks(2, other_reads, str(tmp_path), good):
-        assert out["whole"] is True and out["mapped"] is True
-        assert out["whole_flip/unchanged"] and out["flip/unchanged"]
+        assert out["whole"] is True and out["crc32"] is True and out["mapped"] is True
+        assert out["whole_flip/unchanged"] and out["crc32_flip/unchanged"] and out["flip/unchanged"]
+        assert out["unknown/unchanged"]
         assert "__0_0.distcp' does not match the checksum" in out["whole_flip"], out["whole_flip"]
+        assert "__0_0.distcp': item " in out["crc32_flip"] and "(corrupted)" in out["crc32_flip"], out["crc32_flip"]
         assert "__1_0.distcp': item " in out["flip"] and "(corrupted)" in out["flip"], out["flip"]
+        assert "summed with 'sha3_512', which this zero3 does not know" in out["unknown"], out["unknown"]
 
 
 # ---- 6: async save ----------------------------------------------------------------------------------------

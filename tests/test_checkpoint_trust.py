@@ -19,7 +19,7 @@ import zero3
 from tests import models
 from tests.devices import ON_DEVICES, worlds_on_devices
 from tests.distributed import run_ranks
-from zero3.checkpoint.tags import checksums, write_engine_sum
+from zero3.checkpoint.tags import checksums, saved_checksum, write_engine_sum
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -89,7 +89,7 @@ def plant_in_metadata(tag_dir: Path, marker: str) -> None:
         pickle.dump(metadata, f)
     engine_file = tag_dir / "zero3_engine.pt"
     state = torch.load(engine_file, weights_only=True)
-    state["files"][".metadata"] = checksums([file])[".metadata"]
+    state["files"][".metadata"] = checksums([file], saved_checksum(state))[".metadata"]
     torch.save(state, engine_file)
     write_engine_sum(engine_file)
 

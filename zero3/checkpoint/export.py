@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from zero3.checkpoint.chunks import LoadPlanner
 from zero3.checkpoint.state import read_engine_state
 from zero3.checkpoint.trust import CheckpointReader
-from zero3.checkpoint.tags import CheckpointError, damaged, resolve
+from zero3.checkpoint.tags import CheckpointError, damaged, resolve, saved_checksum
 from zero3.checkpoint.weights import ShardedSafetensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,7 +40,7 @@ def export(
         raise ValueError(f"--dtype {dtype!r}: expected one of {sorted(DTYPES)}")
     path = resolve(checkpoint_dir, tag)
     state = read_engine_state(path, weights_only=not trust_checkpoint)
-    problems = damaged(path, state["files"], sorted(state["files"]))
+    problems = damaged(path, state["files"], sorted(state["files"]), saved_checksum(state))
     if problems:
         raise CheckpointError(f"the checkpoint {str(path)!r} is damaged:\n  " + "\n  ".join(problems))
     saved = CheckpointReader(path, trusted=trust_checkpoint).read_metadata().state_dict_metadata

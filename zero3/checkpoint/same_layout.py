@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from zero3.checkpoint.chunks import RangeChunks
-from zero3.checkpoint.tags import CheckpointError, FileSums
+from zero3.checkpoint.tags import CheckpointError, Checksum, FileSums
 from zero3.checkpoint.read_ahead import advise
 from zero3.checkpoint.trust import read_items, tensor_item
 
@@ -74,7 +74,7 @@ class SameLayoutLoad:
                 boxes[index] = _Box(entry, torch.Size(offsets), tuple(sizes))
         return cls(boxes, storage)
 
-    def read(self, path: Path, sums: Mapping[str, FileSums]) -> list[str]:
+    def read(self, path: Path, sums: Mapping[str, FileSums], checksum: Checksum) -> list[str]:
         """Read and check every box's item, holding each as a tensor (nothing copied into the engine); one
         line per problem found. A failure that is not damage (an item naming a foreign global) raises."""
         per_file: dict[str, dict[MetadataIndex, Any]] = {}
@@ -87,7 +87,7 @@ class SameLayoutLoad:
         self._held = []
         for name, items in sorted(per_file.items()):
             file = path / name
-            checked, found = read_items(file, sums.get(file.name), items)
+            checked, found = read_items(file, sums.get(file.name), items, checksum)
             problems += found
             for index, (raw, what) in checked.items():
                 box, tensor = self._boxes[index], tensor_item(raw, file, what)

@@ -42,7 +42,8 @@ from zero3.checkpoint.same_layout import SameLayoutLoad
 from zero3.checkpoint.trust import CheckpointReader, VerifiedReader, load_engine_file
 from zero3.checkpoint.tags import (
     ENGINE_FILE, LATEST, METADATA, CheckpointError, FileSums, check_engine_file, check_tag, checksums, damage_error,
-    damaged, dcp_files, item_checksums, prune, publish, resolve, staging_dir, write_engine_sum,
+    damaged, dcp_files, item_checksums, prune, publish, resolve, saved_checksum, staging_dir, write_engine_sum,
+    SAVED_WITH,
 )
 from zero3.comm import Communicator
 from zero3.rank_failure import describe, first_failure
@@ -325,10 +326,10 @@ class _Write:
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
             # Each item of this rank's files, so that a load checks each as it reads it (zero3.checkpoint.trust's
             # [Note: verified reads]); rank 0 (DCP's coordinator) also sums the metadata it wrote, whole.
-            sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else []))
+            sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else [], SAVED_WITH))
             items = writer.items_by_file()
             for file in dcp_files(staged, self.rank):
-                sums[file.name] = item_checksums(file, items.get(file.name, []))
+                sums[file.name] = item_checksums(file, items.get(file.name, []), SAVED_WITH)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
         _agree(protocol, problem, group, self.root, self.tag, self.rank)
@@ -338,7 +339,7 @@ class _Write:
         if self.rank == 0:
             try:
                 temporary = staged / f".{ENGINE_FILE}.tmp"
-                torch.save(self.engine_state | {"files": files}, temporary)
+                torch.save(self.engine_state | {"files": files, "checksum": SAVED_WITH.name}, temporary)
                 write_engine_sum(temporary)
                 os.replace(temporary, staged / ENGINE_FILE)  # the tag's completeness marker: written last
                 publish(self.root, self.tag, self.save_latest)
@@ -498,7 +499,8 @@ def _load_resharded(engine: CheckpointedEngine, path: Path, state: dict[str, Any
     """`wanted` read through DCP, which matches each box with the saved chunks it overlaps (collective): a
     load at another world size or layout. Each item is checked as it is read, and nothing is copied into
     the engine until every rank's reads passed (zero3.checkpoint.trust's [Note: verified reads])."""
-    reader, planner = VerifiedReader(path, state["files"], trusted=not weights_only), LoadPlanner()
+    reader = VerifiedReader(path, state["files"], saved_checksum(state), trusted=not weights_only)
+    planner = LoadPlanner()
     try:
         dcp.load(wanted, storage_reader=reader, planner=planner, process_group=engine.comm.control_group)
     except CheckpointException as error:  # on every rank, each with nothing copied into the engine
@@ -551,11 +553,12 @@ def load(
         # The files summed whole (`.metadata`; every file of a tag saved before item sums), the work split
         # across ranks, before anything changes; the items summed one by one are checked as they are read.
         names = sorted(name for name, (_, sums) in state["files"].items() if isinstance(sums, int))
-        found = damaged(path, state["files"], names[engine.rank :: engine.world_size])
+        checksum = saved_checksum(state)
+        found = damaged(path, state["files"], names[engine.rank :: engine.world_size], checksum)
         if not found:  # at the saved layout, read now (see zero3.checkpoint.same_layout's Note)
             direct = SameLayoutLoad.plan(wanted, metadata)
             if direct is not None:
-                misread = direct.read(path, state["files"])
+                misread = direct.read(path, state["files"], checksum)
     except Exception as error:  # noqa: BLE001 - every rank raises it, below
         own = error
     finally:

@@ -32,7 +32,7 @@ rank has checked what it read:
 2. `read_items` maps each data file a rank needs (in DCP's read step,
    `VerifiedReader.read_data` for its plan; at the saved layout, without
    DCP, zero3.checkpoint.same_layout), checks each saved item it needs
-   against the CRC-32 taken when the item was written (zero3.checkpoint.tags'
+   against the sum taken when the item was written (zero3.checkpoint.tags'
    `FileSums`), and holds the item as a tensor viewing the mapping (a small
    one is read into a buffer of its own instead: see `_READ_BELOW`; the
    disk is asked for them ahead: zero3.checkpoint.read_ahead's Note). It
@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from zero3.checkpoint.read_ahead import advise
-from zero3.checkpoint.tags import CheckpointError, FileSums, damage_error, file_problem, item_problem, mapped
+from zero3.checkpoint.tags import CheckpointError, Checksum, FileSums, damage_error, file_problem, item_problem, mapped
 
 log = logging.getLogger("zero3")
 
@@ -190,9 +190,9 @@ class VerifiedReader(CheckpointReader):
     was checked before DCP ran, a file summed per item is checked here.
     """
 
-    def __init__(self, path: str | Path, sums: Mapping[str, FileSums], trusted: bool = False) -> None:
+    def __init__(self, path: str | Path, sums: Mapping[str, FileSums], checksum: Checksum, trusted: bool = False) -> None:
         super().__init__(path, trusted)
-        self.sums = sums
+        self.sums, self.checksum = sums, checksum
         self._held: list[tuple[ReadItem, torch.Tensor]] = []
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -217,7 +217,7 @@ class VerifiedReader(CheckpointReader):
     def _read_file(self, file: Path, saved: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner) -> list[str]:
         """One file's saved items, each checked, then held per read item; the problems found."""
         infos = {index: self.storage_data[index] for index in saved}
-        checked, problems = read_items(file, self.sums.get(file.name), infos)
+        checked, problems = read_items(file, self.sums.get(file.name), infos, self.checksum)
         for index, (raw, what) in checked.items():
             self._hold(raw, saved[index], planner, file, what)
         return problems
@@ -246,7 +246,7 @@ class VerifiedReader(CheckpointReader):
 
 
 def read_items(
-    file: Path, sums: FileSums | None, items: Mapping[MetadataIndex, Any],
+    file: Path, sums: FileSums | None, items: Mapping[MetadataIndex, Any], checksum: Checksum,
 ) -> tuple[dict[MetadataIndex, tuple[memoryview, str]], list[str]]:
     """The saved items of one data file (`items`: DCP's storage info of each, by index), read in file order
     and each checked against its sum (see [Note: verified reads]): the bytes of each item that passed, with
@@ -273,7 +273,7 @@ def read_items(
             else:
                 raw = view[info.offset : info.offset + info.length]
             if not isinstance(item_sums, int):  # (a file summed whole was checked before the reads)
-                if (problem := item_problem(file, raw, info.offset, info.length, item_sums, what)) is not None:
+                if (problem := item_problem(file, raw, info.offset, info.length, item_sums, what, checksum)) is not None:
                     problems.append(problem)
                     continue
             checked[index] = (raw, what)
