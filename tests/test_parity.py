@@ -80,7 +80,7 @@ def train_and_compare(
             loss = models.loss_of(output, model)
             engine.backward(loss)
             engine.step()
-            states.add(engine.coordinator.state)
+            states.add(engine.protocol.state)
             step_loss += loss.detach().float() / gas
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world)

@@ -429,27 +429,37 @@ class Communicator:
         return self._job_size == 1
 
     @property
+    def job_size(self) -> int:
+        """The ranks of the job (the control group's)."""
+        return self._job_size
+
+    @property
     def alone(self) -> bool:
         """A shard group of one: every parameter and gradient collective is the identity."""
         return self._size == 1
 
-    def any_of_flags(self, flags: list[bool]) -> list[bool]:
-        """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group,
-        so the answer never waits on the accelerator."""
-        if self._job_size == 1:
+    def any_of_flags(self, flags: list[bool], group: dist.ProcessGroup | None = None) -> list[bool]:
+        """For each flag, whether it is set on any rank: a host all-reduce on the gloo control group (or
+        `group`, a gloo group), so the answer never waits on the accelerator."""
+        if self._members(group) == 1:
             return list(flags)
         counts = torch.tensor(flags, dtype=torch.uint8)
         (alias,) = self._hand_over(counts)
-        self._started(dist.all_reduce(alias, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True), False)
+        self._started(dist.all_reduce(alias, op=dist.ReduceOp.MAX, group=group or self.control_group,
+                                      async_op=True), False)
         return [count > 0 for count in counts.tolist()]
 
     def all_gather_objects(self, value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
         """Every rank's picklable `value`, in rank order (default: the gloo control group, between steps)."""
-        if self._job_size == 1:
+        members = self._members(group)
+        if members == 1:
             return [value]
-        out: list[Any] = [None] * self._job_size
+        out: list[Any] = [None] * members
         dist.all_gather_object(out, value, group=group or self.control_group)
         return out
+
+    def _members(self, group: dist.ProcessGroup | None) -> int:
+        return self._job_size if group is None else dist.get_world_size(group)
 
     def barrier(self, group: dist.ProcessGroup | None = None) -> None:
         """Every rank has reached this point (default: the gloo control group, between steps)."""

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import torch.distributed as dist
 
 from zero3.comm import Communicator
 
@@ -48,38 +51,61 @@ def describe(failure: BaseException | None) -> tuple[str, str, str, dict[str, An
     return cls.__module__, cls.__qualname__, f"{cls.__name__}: {failure}", fields
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The ranks an agreement spans: a gloo group (None: the communicator's control group, the whole job)
+    and the job rank of each member, in the group's order (so that a failure names the job's rank)."""
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def job(cls, comm: Communicator) -> Scope:
+        return cls(None, tuple(range(comm.job_size)))
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> Scope:
+        return cls(group, tuple(dist.get_process_group_ranks(group)))
+
+
 def peer_failure(
-    comm: Communicator, where: str, own: BaseException | None, consequence: str = ""
+    comm: Communicator, where: str, own: BaseException | None, consequence: str = "", scope: Scope | None = None,
 ) -> BaseException | None:
-    """Collective: every rank's failure is exchanged. On a rank that did not fail, the first failing
-    rank's, rebuilt ("rank R failed in <where>: ..." and `consequence`); None on a rank that failed."""
-    everyone = comm.all_gather_objects(describe(own))
+    """Collective (on `scope`, default the whole job): every rank's failure is exchanged. On a rank that did
+    not fail, the first failing rank's, rebuilt ("rank R failed in <where>: ..." and `consequence`); None on a
+    rank that failed."""
+    everyone = comm.all_gather_objects(describe(own), scope.group if scope is not None else None)
     if own is not None:
         return None  # this rank's own exception is already on its way
-    return first_failure(everyone, where, consequence)
+    return first_failure(everyone, where, consequence, scope.ranks if scope is not None else None)
 
 
 def first_failure(
-    everyone: list[tuple[str, str, str, dict[str, Any]] | None], where: str, consequence: str = ""
+    everyone: list[tuple[str, str, str, dict[str, Any]] | None], where: str, consequence: str = "",
+    ranks: tuple[int, ...] | None = None,
 ) -> BaseException | None:
-    """From every rank's `describe()`, gathered: the first failing rank's exception, rebuilt."""
-    for rank, found in enumerate(everyone):
+    """From every rank's `describe()`, gathered: the first failing rank's exception, rebuilt (naming its job
+    rank: `ranks[i]` for the i-th gathered, where the exchange spanned a group of the job)."""
+    for index, found in enumerate(everyone):
         if found is not None:
             module, qualname, text, fields = found
+            rank = ranks[index] if ranks is not None else index
             return rebuild(module, qualname, f"rank {rank} failed in {where}: {text}{consequence}", fields)
     return None
 
 
-def raise_peer_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "") -> None:
+def raise_peer_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "",
+                       scope: Scope | None = None) -> None:
     """Collective: a rank that did not fail raises the first failing rank's exception (see `peer_failure`)."""
-    error = peer_failure(comm, where, own, consequence)
+    error = peer_failure(comm, where, own, consequence, scope)
     if error is not None:
         raise error
 
 
-def raise_agreed_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "") -> None:
+def raise_agreed_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "",
+                         scope: Scope | None = None) -> None:
     """Collective, once the ranks have agreed that one failed: every rank raises, its own or the first."""
-    raise_peer_failure(comm, where, own, consequence)
+    raise_peer_failure(comm, where, own, consequence, scope)
     if own is not None:
         raise own
     raise RankFailedError(f"a rank failed in {where}{consequence}")  # the flags said so; none described it
@@ -90,7 +116,7 @@ T = TypeVar("T")
 
 def agreed(
     comm: Communicator, where: str, action: Callable[[], T], consequence: str = "",
-    undo: Callable[[], None] | None = None,
+    undo: Callable[[], None] | None = None, scope: Scope | None = None,
 ) -> T:
     """Collective: run `action` on every rank; if it raises on any, every rank raises (one exchange of
     what each rank saw, on the control group: for calls between steps, not for the hot path). A rank
@@ -101,10 +127,10 @@ def agreed(
         result = action()
     except Exception as error:  # noqa: BLE001 - every rank raises it, below
         own = error
-    everyone = comm.all_gather_objects(describe(own))
+    everyone = comm.all_gather_objects(describe(own), scope.group if scope is not None else None)
     if own is not None:
         raise own
-    peer = first_failure(everyone, where, consequence)
+    peer = first_failure(everyone, where, consequence, scope.ranks if scope is not None else None)
     if peer is not None:
         if undo is not None:
             undo()

@@ -28,11 +28,14 @@ repair, GatheredParameters) ask it, never the communicator:
   the calls that decide more than whether to raise: a checkpoint's save and
   load, the tiers' checks of free space. A save run in the background agrees
   on a group of its own (`group`), off the training thread's.
-Every agreement runs on the job's control group (`comm.control_group`), so a
+Every agreement runs on the protocol's `scope` (zero3.rank_failure's
+`Scope`): by default the job's control group (`comm.control_group`), so a
 failure anywhere is every rank's. This is the seam a fault-tolerance manager
 hooks into: its quorum before the forward of a step's first micro-step, its
-commit decision with the step's last flag round, and, once the topology has
-replicas, agreements scoped to one replica group.
+commit decision with the step's last flag round, and agreements scoped to
+one replica group (a protocol made with that group's `Scope.of(group)`),
+whose failures its members agree on alone and name by their job ranks,
+while the other replica groups go on.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from zero3.comm import Communicator
-from zero3.rank_failure import agreed, describe, first_failure, peer_failure, raise_agreed_failure, raise_peer_failure
+from zero3.rank_failure import (
+    Scope, agreed, describe, first_failure, peer_failure, raise_agreed_failure, raise_peer_failure,
+)
 
 T = TypeVar("T")
 
@@ -55,13 +60,42 @@ class Owed(enum.Enum):
     STEP = "step"  # the step's flag rounds, at the accumulation boundary
 
 
+class TrainingState(enum.Enum):
+    """Where this rank is inside an engine call: which pass is under way (the coordinator moves it).
+
+    The nested states exist because real models nest passes: activation
+    checkpointing runs a forward inside backward, and a gradient penalty
+    (`torch.autograd.grad` in a forward) runs a backward inside forward.
+    """
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD = enum.auto()
+    FORWARD_IN_BACKWARD = enum.auto()
+    BACKWARD_IN_FORWARD = enum.auto()
+
+
 class StepProtocol:
     """Where this rank stands in the step's collective calls, and every agreement they make (see the Note)."""
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, scope: Scope | None = None) -> None:
         self.comm = comm
-        self.owed: Owed | None = Owed.FORWARD
+        # The ranks every agreement spans: the whole job, or one replica group's (a fault-tolerance manager's).
+        self.scope = scope if scope is not None else Scope.job(comm)
+        self.owed: Owed | None = Owed.FORWARD  # between engine calls
+        self.state = TrainingState.IDLE  # within one: the pass under way
         self._joins: dict[Owed, Callable[[BaseException], None]] = {}
+
+    @property
+    def in_forward(self) -> bool:
+        # Identity tests: an enum's hash is a Python call, and this is read on every saved tensor.
+        state = self.state
+        return state is not TrainingState.IDLE and state is not TrainingState.BACKWARD
+
+    @property
+    def in_backward(self) -> bool:
+        state = self.state
+        return state is not TrainingState.IDLE and state is not TrainingState.FORWARD
 
     # ---- what this rank owes ------------------------------------------------------------
     def bind(self, owed: Owed, join: Callable[[BaseException], None]) -> None:
@@ -91,13 +125,13 @@ class StepProtocol:
 
     # ---- agreements -----------------------------------------------------------------------
     def flags(self, flags: list[bool]) -> list[bool]:
-        """For each flag, whether any rank set it (one host all-reduce on the control group)."""
-        return self.comm.any_of_flags(flags)
+        """For each flag, whether any rank set it (one host all-reduce on the scope's group)."""
+        return self.comm.any_of_flags(flags, self.scope.group)
 
     def fail_together(self, where: str, own: BaseException | None, consequence: str = "") -> None:
         """The flags said a rank failed in `where`: every rank raises (its own exception, or the first failing
         rank's, rebuilt, with `consequence`)."""
-        raise_agreed_failure(self.comm, where, own, consequence)
+        raise_agreed_failure(self.comm, where, own, consequence, self.scope)
 
     def settle(self, where: str, own: BaseException | None, consequence: str = "",
                undo: Callable[[], None] | None = None) -> None:
@@ -109,28 +143,33 @@ class StepProtocol:
 
     def peer_failure(self, where: str, own: BaseException | None, consequence: str = "") -> BaseException | None:
         """Every rank's failure exchanged: on a rank that did not fail, the first failing rank's; else None."""
-        return peer_failure(self.comm, where, own, consequence)
+        return peer_failure(self.comm, where, own, consequence, self.scope)
 
     def raise_if_peer_failed(self, where: str, own: BaseException | None, consequence: str = "") -> None:
         """`peer_failure`, raised where there is one (a rank that failed goes on with its own exception)."""
-        raise_peer_failure(self.comm, where, own, consequence)
+        raise_peer_failure(self.comm, where, own, consequence, self.scope)
 
     def outcomes(self, own: BaseException | None, payload: Any = None, group: Any = None) -> list[tuple[Any, Any]]:
         """One exchange of every rank's failure (described: zero3.rank_failure's `describe`) beside its
-        `payload` (what the call found, in the same message), on `group` (default: the control group)."""
-        return self.comm.all_gather_objects((describe(own), payload), group)
+        `payload` (what the call found, in the same message), on `group` (default: the scope's)."""
+        return self.comm.all_gather_objects((describe(own), payload), group or self.scope.group)
+
+    def exchange(self, value: Any) -> list[tuple[int, Any]]:
+        """Every rank's `value` (what an agreement needs beyond its flags: the names a rank edited, the disks
+        its files need), in one exchange on the scope's group: (job rank, value), in rank order."""
+        return list(zip(self.scope.ranks, self.comm.all_gather_objects(value, self.scope.group)))
 
     def first_failure(self, where: str, outcomes: list[tuple[Any, Any]], consequence: str = "") -> BaseException | None:
         """From `outcomes`, the first failing rank's exception, rebuilt ("rank R failed in <where>: ...")."""
-        return first_failure([described for described, _ in outcomes], where, consequence)
+        return first_failure([described for described, _ in outcomes], where, consequence, self.scope.ranks)
 
     def problems(self, problem: str | None, group: Any = None) -> list[str]:
         """Every rank's problem, a line each (a rank that had none says None), in one exchange on `group`:
         the lines that were said, in rank order."""
-        return [found for found in self.comm.all_gather_objects(problem, group) if found is not None]
+        return [found for found in self.comm.all_gather_objects(problem, group or self.scope.group) if found is not None]
 
     def agree(self, where: str, action: Callable[[], T], consequence: str = "",
               undo: Callable[[], None] | None = None) -> T:
         """`action` on every rank; if it raised on any, every rank raises (a rank where it succeeded runs
-        `undo` first): one exchange on the control group, for calls between steps."""
-        return agreed(self.comm, where, action, consequence, undo)
+        `undo` first): one exchange on the scope's group, for calls between steps."""
+        return agreed(self.comm, where, action, consequence, undo, self.scope)

@@ -84,9 +84,9 @@ def check_free_space(needs: dict[str, tuple[str, int]], protocol: StepProtocol |
     file is written."""
     host = socket.gethostname()
     mine = [(host, os.stat(path).st_dev, key, path, nbytes) for key, (path, nbytes) in needs.items()]
-    everyone = protocol.comm.all_gather_objects(mine) if protocol is not None else [mine]
+    everyone = protocol.exchange(mine) if protocol is not None else [(0, mine)]
     by_disk: dict[tuple[str, int], list[tuple[int, str, str, int]]] = {}
-    for rank, entries in enumerate(everyone):
+    for rank, entries in everyone:
         for machine, device, key, path, nbytes in entries:
             by_disk.setdefault((machine, device), []).append((rank, key, path, nbytes))
     problem = None

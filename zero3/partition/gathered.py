@@ -192,8 +192,7 @@ class GatheredParameters:
                 return  # this rank's own exception goes on
             if edit:
                 assert protocol is not None
-                everyone = protocol.comm.all_gather_objects(own)
-                edited = [f"{', '.join(names)} on rank {rank}" for rank, names in enumerate(everyone) if names]
+                edited = [f"{', '.join(names)} on rank {rank}" for rank, names in protocol.exchange(own) if names]
             if self.modifier_rank is not None and self.units:
                 self._write_back_agreed()
         finally:

@@ -51,7 +51,6 @@ gathered or in flight.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -68,23 +67,7 @@ from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.gather_walk import GatherWalk, LiveCount
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.walk_keeper import WalkKeeper
-from zero3.step_protocol import StepProtocol
-
-
-class TrainingState(enum.Enum):
-    """Where this rank is in a step (the coordinator's one record of it).
-
-    The nested states exist because real models nest passes: activation
-    checkpointing runs a forward inside backward, and a gradient penalty
-    (`torch.autograd.grad` in a forward) runs a backward inside forward.
-    """
-
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    BACKWARD = enum.auto()
-    FORWARD_IN_BACKWARD = enum.auto()
-    BACKWARD_IN_FORWARD = enum.auto()
-
+from zero3.step_protocol import StepProtocol, TrainingState
 
 
 def expected_grads(unit: GatherUnit, grads: GradShards | None) -> int:
@@ -178,7 +161,6 @@ class ParamCoordinator:
         self.keeper = WalkKeeper([self.forward_walk, self.backward_walk], units[0].device if units else torch.device("cpu"))
         self._walk: GatherWalk | None = None  # the pass under way
         self._frames: list[_Frame] = []
-        self.state = TrainingState.IDLE
         self._forward_depth = 0  # a root forward may call itself: only the outermost begins and ends the pass
         self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._by_storage: dict[int, GatherUnit] = {}
@@ -224,14 +206,11 @@ class ParamCoordinator:
     # ---- state ---------------------------------------------------------------
     @property
     def in_forward(self) -> bool:
-        # Identity tests: an enum's hash is a Python call, and this is read on every saved tensor.
-        state = self.state
-        return state is not TrainingState.IDLE and state is not TrainingState.BACKWARD
+        return self.protocol.in_forward
 
     @property
     def in_backward(self) -> bool:
-        state = self.state
-        return state is not TrainingState.IDLE and state is not TrainingState.FORWARD
+        return self.protocol.in_backward
 
     def observe(self, unit: GatherUnit, old: UnitState, new: UnitState) -> None:
         self.live.observe(unit, old, new)
@@ -282,15 +261,15 @@ class ParamCoordinator:
             # A local setter changed some rank's shards of it (zero3.accessors), maybe on that rank alone:
             # every rank gathers it again, so no rank gathers alone. One flag, agreed on the control group
             # (not inside a backward, whose walk's keeper may be using that group: the next forward does it).
-            if self.state is not TrainingState.BACKWARD and self.protocol.flags([persistent.stale])[0]:
+            if self.protocol.state is not TrainingState.BACKWARD and self.protocol.flags([persistent.stale])[0]:
                 persistent.reshard()
             persistent.unshard()  # no-op unless an offload of lp_params released it, or it was stale
         self._release_root_returned()
         # A forward inside backward (a checkpointed root) gathers along the backward walk.
-        if self.state is TrainingState.BACKWARD:
-            self.state = TrainingState.FORWARD_IN_BACKWARD
+        if self.protocol.state is TrainingState.BACKWARD:
+            self.protocol.state = TrainingState.FORWARD_IN_BACKWARD
         else:
-            self.state = TrainingState.FORWARD
+            self.protocol.state = TrainingState.FORWARD
         if self._walk is None:
             self._walk = self.forward_walk
             self.forward_walk.begin()
@@ -319,8 +298,8 @@ class ParamCoordinator:
                     unit.acquire(Hold.FORWARD)
                     self._root_returned.append(unit)
             self._release_frame(frame)
-        self.state = TrainingState.BACKWARD if self.in_backward else TrainingState.IDLE
-        if self.saves_by_reference and self.state is TrainingState.IDLE:
+        self.protocol.state = TrainingState.BACKWARD if self.in_backward else TrainingState.IDLE
+        if self.saves_by_reference and self.protocol.state is TrainingState.IDLE:
             self._release_until_backward(output)
         if self._walk is self.forward_walk:  # this forward began its own walk
             self._walk = None
@@ -440,7 +419,7 @@ class ParamCoordinator:
     def begin_backward(self) -> None:
         if self.in_backward:
             return
-        self.state = TrainingState.BACKWARD_IN_FORWARD if self.in_forward else TrainingState.BACKWARD
+        self.protocol.state = TrainingState.BACKWARD_IN_FORWARD if self.in_forward else TrainingState.BACKWARD
         if self.backward_walk.passes == 0:
             # First backward: expect the reverse of the forward's gathers (the same on every rank).
             self.backward_walk.set_order(list(dict.fromkeys(reversed(self.forward_walk.order))))
@@ -470,7 +449,7 @@ class ParamCoordinator:
         extras = [list(extra or [])]
         if not self.in_backward:
             return extras
-        self.state = TrainingState.FORWARD if self.in_forward else TrainingState.IDLE
+        self.protocol.state = TrainingState.FORWARD if self.in_forward else TrainingState.IDLE
         for unit in self.units:
             unit.release_all(Hold.BACKWARD)
         self._release_root_returned()
@@ -504,7 +483,6 @@ class ParamCoordinator:
         self._forward_depth = 0
         if self.in_backward:
             self.end_backward()
-        self.state = TrainingState.IDLE
         if self._walk is not None:
             walk, self._walk = self._walk, None
             walk.end()
