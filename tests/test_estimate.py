@@ -57,6 +57,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
         "precision": "bf16", "offload_optimizer": "nvme", "offload_param": "nvme", "max_in_cpu": 1500,
         "reduce_bucket_size": 2500,
     }),
+    ("bf16 lean", {"precision": "bf16", "lean_memory": True}),
+    ("fp32 lean, optimizer on cpu", {"precision": "fp32", "offload_optimizer": "cpu", "lean_memory": True}),
 ]
 
 
@@ -106,6 +108,8 @@ def test_estimate_matches_the_engine_to_the_byte(world: int, tmp_path: Path) -> 
     assert (rank0["bf16"]["model_state_bytes"]["persistent_params"] > 0) == (world > 1)
     assert rank0["bf16 both on nvme"]["report"]["lp_params"].keys() == {"cpu", "nvme"}
     assert rank0["bf16 both on nvme"]["disk_files"] > 0
+    assert rank0["bf16 lean"]["model_state_bytes"]["lp_params"] == 0  # every parameter of the GPT is trained
+    assert rank0["bf16"]["model_state_bytes"]["lp_params"] > 0
 
 
 def test_the_same_model_through_the_gpt_option_and_the_api() -> None:
@@ -185,6 +189,21 @@ def test_cli_takes_settings_from_a_config_and_options_win(
     settings = json.loads(out)["settings"]
     assert (settings["precision"], settings["offload_optimizer"], settings["persistence_threshold"]) == (
         "bf16", "none", 7)
+
+
+def test_cli_lean_memory_drops_the_16_bit_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lean memory mode: 12 bytes per parameter / N of model state in bf16 (fp32 master and Adam's two
+    moments) plus the gradients, no 16-bit shard; with fp32 shards on the device it changes nothing."""
+    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--lean-memory", "--json")
+    lean = json.loads(out)["model_state_bytes"]
+    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--json")
+    default = json.loads(out)["model_state_bytes"]
+    assert lean["lp_params"] == 0 and default["lp_params"] == 2 * 800_000_000 // 8
+    assert lean["hp_params"] + lean["optim_states"] == 12 * 800_000_000 // 8
+    assert default["total"] - lean["total"] == default["lp_params"]
+    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--precision", "fp32", "--lean-memory",
+                        "--json")
+    assert json.loads(out)["model_state_bytes"]["lp_params"] == 4 * 800_000_000 // 8  # the shards are the masters
 
 
 def test_cli_takes_the_mics_and_hpz_group_sizes(capsys: pytest.CaptureFixture[str]) -> None:

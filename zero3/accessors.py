@@ -99,7 +99,9 @@ def _moment(sp: ShardedParam, name: str, what: str) -> Slot | None:
 def safe_get_local_lp_param(param: torch.Tensor) -> torch.Tensor:
     """This rank's 16-bit shard (zero padded to the shard size)."""
     sp = require_sharded(param, "safe_get_local_lp_param")
-    assert sp.lp_slot is not None
+    if sp.lp_slot is None:  # lean memory mode: the master, cast (zero3.partition.lean)
+        assert sp.lean_master is not None
+        return _read(sp.lean_master).to(sp.dtype)
     return _read(sp.lp_slot)
 
 
@@ -120,8 +122,8 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     _refuse_parked([sp.lp_slot, slots.hp if slots is not None else None], "safe_set_local_fp32_param")
     if slots is not None:
         slots.hp.write(shard.float())
-    assert sp.lp_slot is not None
-    sp.lp_slot.write(shard)
+    if sp.lp_slot is not None:  # (none in lean memory mode: the master is the shard's home)
+        sp.lp_slot.write(shard)
     unit = unit_of(sp)
     if unit is not None and unit.state is not UnitState.SHARDED:
         unit.stale = True  # the others' shards of the gathered copy change too: gathered again at next use

@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="NUMEL",
                       help="stage3_param_persistence_threshold: parameters with at most this "
                       "many elements stay whole on every rank (0 partitions all of them)")
+    zero.add_argument("--lean-memory", action=argparse.BooleanOptionalAction, default=None,
+                      help="lean_memory: no 16-bit shards for the trained parameters (default: off)")
     zero.add_argument("--config", type=Path, default=None, metavar="PATH",
                       help="DeepSpeed-style JSON config merged over the one built from these "
                       "options (its values win; if it sets any batch-size key or bf16/fp16, "
@@ -283,6 +285,8 @@ def _add_estimate_parser(commands: Any) -> None:
                       help="MiCS: ranks each state is sharded over, replicated across the groups (default: -1, all)")
     zero.add_argument("--hpz-partition-size", type=non_negative_int, default=None, metavar="K",
                       help="hpZ: ranks of a secondary group, within a node (default: 1, off)")
+    zero.add_argument("--lean-memory", action=argparse.BooleanOptionalAction, default=None,
+                      help="lean_memory: no 16-bit shards for the trained parameters (default: off)")
     zero.add_argument("--config", type=Path, default=None, metavar="PATH",
                       help="a DeepSpeed-style JSON config to take these settings from; the options above win")
     sub.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
@@ -295,7 +299,7 @@ def _estimate_settings(args: argparse.Namespace) -> estimates.EstimateSettings:
         base = estimates.EstimateSettings.from_config(load_config(_read_json_object(args.config)))
     names = ("precision", "offload_optimizer", "offload_param", "reduce_bucket_size", "persistence_threshold",
              "max_in_cpu", "overlap_comm", "grad_accum_dtype", "communication_dtype", "accelerator",
-             "mics_shard_size", "hpz_partition_size")
+             "mics_shard_size", "hpz_partition_size", "lean_memory")
     return replace(base, **{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 

@@ -653,6 +653,9 @@ class ZeroConfig(_Model):
     zero_quantized_nontrainable_weights: bool = False
     # ZeRO++'s qgZ: each gradient reduce-scatter is two int4 all-to-alls, inside the node, then across.
     zero_quantized_gradients: bool = False
+    # zero3's own: no resident 16-bit shards for the trained parameters; each gather casts them from the
+    # fp32 masters (zero3.partition.lean's Note). Off by default: DeepSpeed's layout.
+    lean_memory: bool = False
     zenflow: dict[str, Any] | None = None
     leaf_module: LeafModuleConfig = LeafModuleConfig()
 
@@ -706,6 +709,14 @@ class ZeroConfig(_Model):
         for key, (refused, why) in unsupported.items():
             if refused:
                 raise _KeyedError((key,), why, (getattr(self, key),))
+        if self.lean_memory and self.offload_param.device != "none":
+            raise _KeyedError(("lean_memory", "offload_param.device"),
+                              "lean_memory keeps no 16-bit shards for offload_param to page out; use one or the "
+                              "other", (True, self.offload_param.device))
+        if self.lean_memory and self.offload_optimizer.device == "nvme":
+            raise _KeyedError(("lean_memory", "offload_optimizer.device"),
+                              "lean_memory casts each gather from the fp32 masters, which offload_optimizer.device="
+                              "'nvme' keeps on disk between steps; use 'cpu' or 'none' with it", (True, "nvme"))
         return self
 
 
@@ -1014,6 +1025,11 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
         "INFO every this many optimizer steps; null or `Infinity`: never"),
     "dataloader_drop_last": (
         "implemented", "the DataLoader `initialize(training_data=...)` returns drops a last, short batch"),
+    "zero_optimization.lean_memory": (
+        "zero3", "true: no resident 16-bit shards for the trained parameters; each unit's gather casts them from "
+        "the fp32 masters as it starts (bit-identical to the default), so model state between steps is the "
+        "masters, the optimizer states and the gradients; frozen parameters keep their 16-bit shards. Not with "
+        "`offload_param` or `offload_optimizer.device: nvme`"),
     "comm_timeout_s": (
         "zero3", "seconds a collective on the engine's groups waits for a peer (a dead or hung rank) before "
         "it raises; null: the default group's timeout (torch's: 30 min on gloo, 10 on NCCL); also the default "

@@ -44,6 +44,7 @@ from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
+from zero3.partition.lean import lean_units
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -93,6 +94,8 @@ class EstimateSettings:
     mics_shard_size: int = -1
     # zero_optimization.zero_hpz_partition_size: hpZ's secondary group (1 or 0: off)
     hpz_partition_size: int = 1
+    # zero_optimization.lean_memory: no 16-bit shards for the trained parameters (zero3.partition.lean)
+    lean_memory: bool = False
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, tuple(PRECISIONS))
@@ -110,6 +113,8 @@ class EstimateSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} {value!r}: expected a whole number >= {least}")
+        if self.lean_memory and (self.offload_param != "none" or self.offload_optimizer == "nvme"):
+            raise ValueError("lean_memory: not with offload_param, nor with offload_optimizer nvme (the config's rule)")
         size = self.mics_shard_size
         if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
             raise ValueError(f"mics_shard_size {size!r}: expected -1 (every rank) or a positive number of ranks")
@@ -142,11 +147,18 @@ class EstimateSettings:
             optimizer_states=_optimizer_states(config),
             mics_shard_size=zc.mics_shard_size,
             hpz_partition_size=zc.zero_hpz_partition_size,
+            lean_memory=zc.lean_memory,
         )
 
     @property
     def compute_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def lean(self) -> bool:
+        """Whether the trained parameters' shards are cast from masters of their own (build's rule)."""
+        return self.lean_memory and not masters_are_shards(self.compute_dtype, self.offload_optimizer,
+                                                            self.offload_param)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -198,11 +210,13 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             leaf_of(model),
         )
         all_units = units + ([persistent] if persistent is not None else [])  # the engine's all_units
-        if settings.offload_param == "nvme":
-            in_memory, on_disk = split_units(all_units, settings.max_in_cpu)
-        else:
-            in_memory, on_disk = all_units, []
         trainable = [by_param[id(p)] for p in params if p.requires_grad]
+        lean = set(lean_units(all_units, set(trainable))) if settings.lean else set()
+        kept = [unit for unit in all_units if unit not in lean]  # lay_out_params' units
+        if settings.offload_param == "nvme":
+            in_memory, on_disk = split_units(kept, settings.max_in_cpu)
+        else:
+            in_memory, on_disk = kept, []
         reducer = GradientReducer(
             GradReduce(mesh, None), trainable, settings.comm_dtype, device, settings.reduce_bucket_size, settings.overlap_comm
         )
@@ -211,7 +225,7 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             lp_on_disk=sum(unit.shard_numel for unit in on_disk),
             trainable=sum(sp.shard_numel for sp in trainable),
             persistent_gathered=_persistent_gathered_numel(
-                persistent.shard_numel if persistent is not None else 0, world_size, settings
+                persistent.shard_numel if persistent is not None else 0, world_size, settings, persistent in lean
             ),
             scratch=reducer.scratch_numel(),
             # SecondaryShards: world/secondary primary shards of every unit but the persistent one
@@ -223,11 +237,12 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
                 delattr(p, ATTR)
 
 
-def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSettings) -> int:
+def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSettings, lean: bool = False) -> int:
     """Mirrors `GatherUnit.gathers_in_place` / `unsharded_nbytes` with the source `lay_out_params` gives the
     persistent unit: a world of one views its shard in place (no copy) unless the shard's home is host memory
-    beside a GPU (offload_param on a CUDA engine), which is copied in and gathered like any other unit."""
-    has_source = settings.offload_param != "none" and settings.accelerator != "cpu"
+    beside a GPU (offload_param on a CUDA engine), which is copied in and gathered like any other unit, or
+    it is cast from the masters (`lean`)."""
+    has_source = lean or (settings.offload_param != "none" and settings.accelerator != "cpu")
     if shard == 0 or (world_size == 1 and not has_source):
         return 0
     return world_size * shard
@@ -236,13 +251,14 @@ def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSe
 def layout_of_count(params: int, world_size: int, settings: EstimateSettings, secondary: int = 1) -> RankLayout:
     """ZeRO-3's formula for `params` parameters: one flat shard, no persistent ones (see the Note)."""
     shard = ShardMesh.geometry(world_size).shard_numel(params)
-    in_memory = min(shard, settings.max_in_cpu) if settings.offload_param == "nvme" else shard
+    kept = 0 if settings.lean else shard  # lean: every parameter is trained, so no 16-bit shard is kept
+    in_memory = min(kept, settings.max_in_cpu) if settings.offload_param == "nvme" else kept
     # GradientReducer's own sizing, with no parameter larger than a bucket.
     total = shard * world_size
     capacity = bucket_capacity(total, 0, settings.reduce_bucket_size, world_size)
     slots = slot_count(total, capacity, settings.overlap_comm)
     return RankLayout(
-        lp_in_memory=in_memory, lp_on_disk=shard - in_memory, trainable=shard, persistent_gathered=0,
+        lp_in_memory=in_memory, lp_on_disk=kept - in_memory, trainable=shard, persistent_gathered=0,
         scratch=capacity * slots, hpz_secondary=world_size // secondary * shard if secondary > 1 else 0,
     )
 

@@ -39,7 +39,7 @@ def _full_fp32(sp: ShardedParam) -> torch.Tensor:
     """The whole fp32 value of a partitioned parameter (collective), through the unit that gathers it: the
     rows kept are exactly the ones the engine would start from."""
     unit = unit_of(sp)
-    if unit is None or sp.lp_slot is None:
+    if unit is None or (sp.lp_slot is None and sp.lean_master is None):
         raise RuntimeError(f"resize_token_embeddings: {sp.name} has no shards to read (its engine was destroyed)")
     return gather_full_fp32(sp, unit.gather, sp.placeholder.device)
 

@@ -190,8 +190,7 @@ def stand_in_room(reserve: torch.Tensor, shard_numel: int, output_numel: int, dt
 def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device) -> torch.Tensor:
     """The whole fp32 value of a partitioned parameter, on `device` (collective): from the fp32 master
     seed where the shards are 16-bit (an fp32 shard already is exact), so no value goes through 16 bits."""
-    assert sp.lp_slot is not None, f"parameter {sp.name} has no shard storage"
-    seed = sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read().float()
+    seed = sp.hp_seed if sp.hp_seed is not None else sp.read_lp().float()
     out = gather.exact().gather(seed.to(device))
     return out[: sp.numel].view(sp.shape).clone()
 

@@ -56,8 +56,12 @@ class DeepSpeedAttributes:
     def ds_tensor(self) -> torch.Tensor:
         """This rank's shard of the 16-bit parameter (flat, padded to whole shards): a view of the
         `lp_params` buffer, valid until the next optimizer step (which writes it in place); a copy when
-        the shard lives on disk (offload_param nvme). Raises StateOffloadedError while it is parked."""
-        slot = self._record().lp_slot
+        the shard lives on disk (offload_param nvme), or is cast from the master (lean memory mode). Raises
+        StateOffloadedError while it is parked."""
+        record = self._record()
+        slot = record.lp_slot
+        if slot is None and record.lean_master is not None:
+            return record.read_lp()
         if slot is None:
             raise AttributeError("this parameter has no shard yet")
         if slot.buffer.store is not None:

@@ -136,8 +136,8 @@ class GatheredParameters:
         wrote = False
         try:
             for sp in listed:
-                assert sp.lp_slot is not None
-                kept += [(slot, slot.read().clone()) for slot in (sp.lp_slot, *sp.followers)]
+                slots = [sp.lp_slot] if sp.lp_slot is not None else []  # (none for a lean parameter)
+                kept += [(slot, slot.read().clone()) for slot in (*slots, *sp.followers)]
             wrote = True
             with torch.no_grad():
                 for unit in self.units:

@@ -14,7 +14,6 @@ agrees with these functions. The engine reads it when it is built (`zero3.initia
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch import nn

@@ -46,6 +46,8 @@ class ShardedParam:
         self.ds_id = -1  # DeepSpeed's parameter id (zero3.partition.ds_attributes gives one)
         self.leaf = False  # gathered with a leaf module's unit (zero3.partition.leaf_modules)
         self.lp_slot: Slot | None = None
+        # Lean memory mode (zero3.partition.lean): no 16-bit slot; the 16-bit shard is this fp32 master, cast.
+        self.lean_master: Slot | None = None
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
         # master): the optimizer adds its own and keeps everything else of its state to itself.
         self.followers: list[Slot] = []
@@ -88,6 +90,15 @@ class ShardedParam:
         assert self.lp_slot is not None
         return self.lp_slot.view()
 
+    def read_lp(self) -> torch.Tensor:
+        """This rank's 16-bit shard: its slot's values (a view where they are in memory), or, in lean memory
+        mode, its master cast as a step would write it (the values a gather sends)."""
+        if self.lp_slot is not None:
+            return self.lp_slot.read()
+        if self.lean_master is None:
+            raise RuntimeError(f"parameter {self.name} has no shard storage (its engine was destroyed)")
+        return self.lean_master.read().to(self.dtype)
+
     def write_full(self, full: torch.Tensor) -> None:
         """Store a new full value: this rank's shard goes to the 16-bit slot and the master."""
         self.write_shard(self.shard_of(full.detach()))
@@ -96,8 +107,8 @@ class ShardedParam:
         """Store this rank's shard (`shard_numel` elements, zero padded) of a new value, everywhere it lives."""
         if shard.numel() != self.shard_numel:
             raise ValueError(f"{self.name}: a shard of {shard.numel()} elements, expected {self.shard_numel}")
-        assert self.lp_slot is not None
-        self.lp_slot.write(shard)
+        if self.lp_slot is not None:  # (none in lean memory mode: the master, a follower, is the shard's home)
+            self.lp_slot.write(shard)
         for follower in self.followers:
             follower.write(shard)
         if self.hp_seed is not None:

@@ -40,6 +40,7 @@ from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
 from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.lean import go_lean, lean_units
 from zero3.partition.leaf_modules import mark_leaves
 from zero3.partition.partitioner import partition_model
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
@@ -79,6 +80,7 @@ class EngineParts:
     offloader: StateOffloader
     secondary: SecondaryShards | None  # hpZ's (zero3.partition.secondary)
     protocol: StepProtocol  # every agreement of a step and between steps (zero3.step_protocol)
+    lean: bool = False  # some units' 16-bit shards are cast from the masters (zero3.partition.lean)
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -153,7 +155,7 @@ class EngineParts:
             if hasattr(sp.param, ATTR):
                 delattr(sp.param, ATTR)
             ds_attributes.take_off(sp.param)
-            sp.lp_slot = None
+            sp.lp_slot = sp.lean_master = None
         self.reducer.close()
         self.reducer.scratch = None
         for buffer in self.lp_buffers:
@@ -201,7 +203,10 @@ def build(
     check_free_space(disk_needs(
         config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
     ), protocol)
-    layout = lay_out_params(config, all_units, compute_dtype, device, disk)
+    # Lean memory mode: the units whose 16-bit shards are cast from their masters keep none (zero3.partition.lean).
+    lean = lean_units(all_units, set(trainable)) if zc.lean_memory and spec is not None and not masters_are_shards(
+        compute_dtype, zc.offload_optimizer.device, zc.offload_param.device) else []
+    layout = lay_out_params(config, [unit for unit in all_units if unit not in lean], compute_dtype, device, disk)
 
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
     grads = None
@@ -231,6 +236,9 @@ def build(
         )
         if spec.client is not None:
             optimizer.read_client_state(spec.client)
+        if lean:
+            go_lean(lean, {sp: slots.hp for sp, slots in optimizer.masters.items()}, device)
+            optimizer.link_lp()
     for sp in sharded_params:
         sp.hp_seed = None  # frozen parameters keep no master
 
@@ -263,7 +271,7 @@ def build(
         persistent_unit.unshard()
     return EngineParts(
         model, device, units, persistent_unit, sharded_params, disk, host_pool, layout.buffers, layout.disk_tier,
-        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary, protocol,
+        grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary, protocol, bool(lean),
     )
 
 

@@ -123,6 +123,8 @@ class OffloadMethods:
             parts.grads.forget_views()
 
     def _require_resident(self, what: str, needed: tuple[OffloadStateType, ...]) -> None:
+        if self.parts.lean and OffloadStateType.lp_params in needed:
+            needed = (*needed, OffloadStateType.hp_params)  # the lean units' gathers cast the masters
         away = self.offloader.missing(needed)
         if away:
             names = ", ".join(state.value for state in away)

@@ -150,7 +150,8 @@ def _gathered(
 def _whole(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torch.Tensor:
     """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
     slot = sp.lp_slot
-    assert slot is not None, f"parameter {sp.name} has no shard storage"
+    if slot is None:
+        return _whole_lean(sp, gather, output)
     buffer = slot.buffer
     in_place = not buffer.parked and buffer.dtype == output.dtype and buffer.device == output.device
     if not gather.mesh.sharded and in_place:
@@ -160,6 +161,21 @@ def _whole(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torc
     _read_shard(slot, own, output)
     if sp.shard_numel > 0:
         gather.gather(own, full)  # in place: this rank's shard already sits in its chunk
+    return full[: sp.numel].view(sp.shape)
+
+
+def _whole_lean(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torch.Tensor:
+    """`_whole` for a parameter that keeps no 16-bit shard (lean memory mode): its master, read wherever it
+    is, cast to the 16-bit values a gather sends, then to the buffer's dtype."""
+    master = sp.lean_master
+    assert master is not None, f"parameter {sp.name} has no shard storage"
+    full = output.take(sp.padded_numel)
+    own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
+    fp32 = torch.empty(sp.shard_numel, dtype=torch.float32, device=own.device)
+    _read_shard(master, fp32, output)
+    own.copy_(fp32.to(sp.dtype))
+    if sp.shard_numel > 0:
+        gather.gather(own, full)
     return full[: sp.numel].view(sp.shape)
 
 

@@ -205,8 +205,6 @@ class ZeroOptimizer:
                 numel = sum(piece.numel for piece in run)
                 sub = SubGroup(self.order_offsets[run[0].sp] + run[0].start, numel, run, masters, group_index,
                                bool(options.get("use_muon")))
-                if self.hp_params is not None:  # else the step writes no shards: they are the masters
-                    sub.lp_runs = _lp_runs(sub)
                 self.sub_groups.append(sub)
                 group_masters.extend(masters)
             torch_groups.append({"params": group_masters, **options})
@@ -232,7 +230,16 @@ class ZeroOptimizer:
         self.exchange: MatrixExchange | None = None
         if spec.muon is not None:
             self._set_up_muon(groups, matrix_bucket_numel)
-        self._lp_on_disk = any(sp.lp_slot.buffer.store is not None for sp in self.params)  # type: ignore[union-attr]
+        self._lp_on_disk = False
+        self.link_lp()
+
+    def link_lp(self) -> None:
+        """Where the step writes each sub-group's new 16-bit shards: the parameters' slots now (none for a
+        lean parameter: zero3.partition.lean's Note; a gather casts its master)."""
+        if self.hp_params is not None:  # else the step writes no shards: they are the masters
+            for sub in self.sub_groups:
+                sub.lp_runs = _lp_runs(sub)
+        self._lp_on_disk = any(sp.lp_slot is not None and sp.lp_slot.buffer.store is not None for sp in self.params)
 
     def _set_up_muon(self, groups: list[tuple[list[ShardedParam], dict[str, Any]]], bucket_numel: int) -> None:
         """The matrices' directions buffer, their exchange, and what MuonAdamW reads per piece."""
@@ -751,12 +758,14 @@ def _check_shard_is_master(sp: ShardedParam, step_device: torch.device) -> None:
 
 def _lp_runs(sub: SubGroup) -> list[tuple[FlatBuffer, int, int, int]]:
     """(shard buffer, offset in it, offset in the sub-group, elements) for each run of the sub-group's
-    pieces that are contiguous in one 16-bit shard buffer (shard slots never move)."""
+    pieces that are contiguous in one 16-bit shard buffer (shard slots never move); a lean piece has none."""
     merged: list[tuple[FlatBuffer, int, int, int]] = []
     cursor = 0
     for piece in sub.pieces:
         lp = piece.sp.lp_slot
-        assert lp is not None
+        if lp is None:
+            cursor += piece.numel
+            continue
         start = lp.offset + piece.start
         if merged and merged[-1][0] is lp.buffer and merged[-1][1] + merged[-1][3] == start:
             buffer, offset, first, numel = merged[-1]

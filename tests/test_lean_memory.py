@@ -1,0 +1,176 @@
+"""Lean memory mode (`zero_optimization.lean_memory`, issue 43 item 1): the trained parameters keep no 16-bit
+shards; each gather casts them from the fp32 masters. Against the default layout, in bf16 at 1 and 2 ranks:
+training is bit-identical with every optimizer class the suite covers (losses and masters), and so are the
+16-bit values every reader sees (the accessors, `ds_tensor`, `iter_full_params`, GatheredParameters' edits),
+ZeRO-Offload's host masters, `offload_states`/`reload_states`, and checkpoints (saved in one mode, loaded in
+the other); the model state report loses exactly the trained parameters' 16-bit bytes, frozen parameters
+keep theirs, and a forward is refused while the masters are parked."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks
+from zero3.config import ConfigError, load_config
+
+STEPS = 3
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "AdamW": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    "SGD": {"type": "sgd", "params": {"lr": 0.05, "momentum": 0.9}},
+    "Adagrad": {"type": "Adagrad", "params": {"lr": 0.05, "initial_accumulator_value": 0.1}},
+    "RMSprop": {"type": "RMSprop", "params": {"lr": 1e-3, "alpha": 0.9}},
+    "NAdam": {"type": "NAdam", "params": {"lr": 3e-3}},
+    "Lion": {"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+    "Muon": {"type": "Muon", "params": {"lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9}},
+}
+
+
+class FrozenEmbeddingLM(nn.Module):
+    """A tied transformer behind a frozen extra embedding: frozen and trained units side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Embedding(48, 32)
+        self.extra.requires_grad_(False)
+        self.lm = models.TiedTransformer(vocab=48)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.lm(idx, targets) + 1e-3 * self.extra(idx).float().pow(2).mean()
+
+
+def config(optimizer: dict[str, Any], lean: bool, **zero: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100, "sub_group_size": 2000,
+                              "lean_memory": lean, **zero},
+    }
+
+
+def build(optimizer: dict[str, Any], lean: bool, **zero: Any) -> tuple[Any, nn.Module]:
+    torch.manual_seed(0)
+    model = FrozenEmbeddingLM()
+    return zero3.initialize(model=model, config=config(optimizer, lean, **zero))[0], model
+
+
+def masters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: models.full_value(p).clone() for name, p in model.named_parameters()}
+
+
+def sixteen_bit(engine: Any, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every 16-bit value a reader outside a pass sees: local shards (accessor and ds_tensor), and whole."""
+    seen = {}
+    for name, p in model.named_parameters():
+        seen[f"local/{name}"] = zero3.safe_get_local_lp_param(p).clone()
+        seen[f"ds_tensor/{name}"] = p.ds_tensor.clone()
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, full in engine.iter_full_params(dtype=dtype):
+            seen[f"whole/{dtype}/{name}"] = full.clone()
+    with zero3.GatheredParameters(list(model.parameters())):
+        seen.update({f"gathered/{name}": p.detach().clone() for name, p in model.named_parameters()})
+    return seen
+
+
+def optimizers_alike(rank: int, world: int) -> dict[str, Any]:
+    """Each optimizer trained in both modes on the same data: losses, masters and 16-bit values."""
+    data = models.batches("tokens", STEPS, 2 * world)
+    out: dict[str, Any] = {}
+    for name, optimizer in OPTIMIZERS.items():
+        runs = []
+        for lean in (False, True):
+            engine, model = build(optimizer, lean)
+            losses = models.mean_losses(engine, rank, world, data)
+            runs.append((losses, masters(model), sixteen_bit(engine, model), engine.model_state_bytes()))
+            engine.destroy()
+        (losses, full, seen, state), (lean_losses, lean_full, lean_seen, lean_state) = runs
+        out[name] = {
+            "losses": losses == lean_losses,
+            "masters": all(torch.equal(full[k], lean_full[k]) for k in full),
+            "sixteen_bit": sorted(k for k in seen if not torch.equal(seen[k], lean_seen[k])),
+            "lp_bytes": (state["lp_params"], lean_state["lp_params"]),
+            # Everything else than the 16-bit shards and the persistent unit's gathered copy (at world 1 the
+            # default layout's persistent parameters view their shards; lean ones are cast into a copy).
+            "rest": [s["total"] - s["lp_params"] - s["persistent_params"] for s in (state, lean_state)],
+        }
+    # The frozen embedding's 16-bit shard is all lean mode keeps (bf16: 2 bytes an element).
+    out["frozen_shard_bytes"] = 2 * -(-48 * 32 // world)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lean_memory_trains_bit_identically_with_every_optimizer(world: int) -> None:
+    for out in run_ranks(world, optimizers_alike):
+        frozen = out.pop("frozen_shard_bytes")
+        for name, found in out.items():
+            assert found["losses"] and found["masters"], (name, found)
+            assert found["sixteen_bit"] == [], (name, found["sixteen_bit"])
+            default_lp, lean_lp = found["lp_bytes"]
+            assert lean_lp == frozen < default_lp, (name, found["lp_bytes"])
+            assert found["rest"][0] == found["rest"][1], (name, found["rest"])
+
+
+def states_and_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ZeRO-Offload's host masters, offload_states and reload_states, a checkpoint saved in one mode and
+    loaded in the other, and a GatheredParameters edit: each in both modes, compared."""
+    data = models.batches("tokens", 2 * STEPS, 2 * world)
+    first, second = data[:STEPS], data[STEPS:]
+    adamw = OPTIMIZERS["AdamW"]
+    out: dict[str, Any] = {}
+    runs: dict[bool, Any] = {}
+    for lean in (False, True):
+        engine, model = build(adamw, lean, offload_optimizer={"device": "cpu"})
+        losses = models.mean_losses(engine, rank, world, first)
+        engine.offload_states(device="nvme", nvme_path=root)  # parked for real (host memory is a CPU engine's own)
+        if lean:
+            try:
+                engine(*[t.chunk(world)[rank] for t in second[0]])
+            except zero3.StateOffloadedError as error:
+                out["refused while parked"] = str(error)
+        engine.reload_states()
+        with zero3.GatheredParameters([model.lm.ln.weight], modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model.lm.ln.weight.mul_(1.5)
+        losses += models.mean_losses(engine, rank, world, second)
+        engine.save_checkpoint(os.path.join(root, f"lean{int(lean)}"), tag="t")
+        runs[lean] = (losses, masters(model), sixteen_bit(engine, model))
+        engine.destroy()
+    (losses, full, seen), (lean_losses, lean_full, lean_seen) = runs[False], runs[True]
+    out["offload"] = (losses == lean_losses, all(torch.equal(full[k], lean_full[k]) for k in full),
+                      sorted(k for k in seen if not torch.equal(seen[k], lean_seen[k])))
+    # Each mode loads the other's checkpoint and trains on: the same losses either way.
+    after = {}
+    for lean in (False, True):
+        engine, model = build(adamw, lean)
+        engine.load_checkpoint(os.path.join(root, f"lean{int(not lean)}"), tag="t")
+        after[lean] = (models.mean_losses(engine, rank, world, first), masters(model))
+        engine.destroy()
+    out["checkpoint"] = (after[False][0] == after[True][0],
+                         all(torch.equal(after[False][1][k], after[True][1][k]) for k in after[False][1]))
+    return out
+
+
+def test_lean_memory_with_host_masters_parked_states_and_checkpoints(tmp_path: Any) -> None:
+    for out in run_ranks(2, states_and_checkpoints, str(tmp_path)):
+        assert out["offload"] == (True, True, []), out["offload"]
+        assert out["checkpoint"] == (True, True), out["checkpoint"]
+        assert "hp_params" in out["refused while parked"], out["refused while parked"]
+
+
+@pytest.mark.parametrize("zero, bad", [
+    ({"offload_param": {"device": "cpu"}}, "offload_param.device"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "offload_optimizer.device"),
+])
+def test_lean_memory_refuses_tiers_it_cannot_serve(zero: dict[str, Any], bad: str) -> None:
+    with pytest.raises(ConfigError, match="lean_memory") as error:
+        load_config(config(OPTIMIZERS["AdamW"], True, **zero))
+    assert f"zero_optimization.{bad}" in str(error.value), str(error.value)

@@ -1,0 +1,66 @@
+"""Lean memory mode: no resident 16-bit shards for the parameters the optimizer trains.
+
+[Note: lean memory]
+DeepSpeed's layout, zero3's default, keeps each rank's 16-bit shards between
+steps beside their fp32 masters: 2 bytes per parameter / N that only a gather
+reads, rewritten from the masters after every step. FSDP2 keeps none: it
+casts each block from the fp32 parameter as it gathers. Lean memory mode
+(`zero_optimization.lean_memory`) does the same: a unit whose every
+parameter has a master of its own (the optimizer trains it, and the masters
+are not the shards themselves: a 16-bit engine, or fp32 masters on the host)
+keeps no 16-bit shard. Its shard source (`MasterCast`, the unit's `source`,
+as a parameter tier's is) casts the masters into a fresh gather input as the
+gather starts, with the rounding a step's write would have made, so every
+gathered value, and so training, is bit-identical to the default layout.
+Each parameter's `lean_master` is the slot it is cast from; readers of a
+16-bit shard outside a gather (the accessors, `ds_tensor`,
+`iter_full_params`) cast it the same way (`ShardedParam.read_lp`), and
+writers reach the master through the parameter's followers. Frozen
+parameters have no master to cast from: a unit with one keeps its 16-bit
+shards. Parking the masters (`offload_states` of `hp_params`) parks the
+lean units' values too, so a forward needs them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from zero3.partition.flat_buffer import Slot
+from zero3.partition.sharded_param import ShardedParam
+from zero3.partition.unit import GatherUnit
+
+
+class MasterCast:
+    """A lean unit's shard source: its parameters' fp32 masters, cast to the unit's dtype on `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def acquire(self, unit: GatherUnit) -> torch.Tensor:
+        shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=self.device)
+        pieces = list(shard.split([sp.shard_numel for sp in unit.params]))
+        masters = []
+        for sp in unit.params:
+            assert sp.lean_master is not None, f"{sp.name} is not a lean parameter"
+            masters.append(sp.lean_master.view())
+        torch._foreach_copy_(pieces, masters, non_blocking=True)
+        return shard
+
+
+def lean_units(units: Iterable[GatherUnit], trained: set[ShardedParam]) -> list[GatherUnit]:
+    """The units that keep no 16-bit shard in lean memory mode: every parameter of theirs is trained."""
+    return [unit for unit in units if all(sp in trained for sp in unit.params)]
+
+
+def go_lean(units: Iterable[GatherUnit], masters: Mapping[ShardedParam, Slot], device: torch.device) -> None:
+    """Let these units' 16-bit shards go: each gather casts them from `masters` (each parameter's fp32
+    master slot) from now on. Called once the masters hold the parameters' values."""
+    source = MasterCast(device)
+    for unit in units:
+        for sp in unit.params:
+            sp.lean_master = masters[sp]
+            sp.lp_slot = None
+        unit.lp_slot = None
+        unit.source = source
