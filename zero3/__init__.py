@@ -43,11 +43,13 @@ from zero3.partition.leaf_modules import (
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.initialize import initialize
 from zero3.rank_failure import RankFailedError
+from zero3.runtime.weight_buckets import BucketEntry, WeightBucket
 from zero3.topology import TopologyError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketEntry",
     "CheckpointError",
     "ConfigError",
     "GatheredParameters",
@@ -63,6 +65,7 @@ __all__ = [
     "StateReport",
     "StepIOError",
     "TierConfigError",
+    "WeightBucket",
     "Zero3Config",
     "ZeroEngine",
     "ZeroParamStatus",

@@ -155,15 +155,17 @@ class ParamGather:
         """The same gather without a codec: for values that must arrive bit-exact (fp32 masters)."""
         return self if self.codec is None else ParamGather(self.mesh, self.comm)
 
-    def copy_out(self, gathered: torch.Tensor, shard_numels: list[int]) -> torch.Tensor:
-        """Rank-major shards of several parameters -> each parameter's padded value, contiguous, in order.
+    def copy_out(self, gathered: torch.Tensor, shard_numels: list[int], out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Rank-major shards of several parameters -> each parameter's padded value, contiguous, in order
+        (into `out` where given, else a new tensor).
 
         The gathered buffer is [N, S]: parameter i's padded value is its column block. With one
         parameter, or one rank, that block already is the contiguous value (returned as is)."""
         size = self.mesh.shard_size
         if size == 1 or len(shard_numels) == 1:
             return gathered
-        laid_out = torch.empty_like(gathered)
+        laid_out = torch.empty_like(gathered) if out is None else out
         blocks, cursor = [], 0
         for numel in shard_numels:
             blocks.append(laid_out[cursor : cursor + size * numel].view(size, numel))

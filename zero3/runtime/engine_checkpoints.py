@@ -203,34 +203,62 @@ class CheckpointMethods:
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
 
     def iter_full_params(
-        self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
+        self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None, bucket_bytes: int | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """Yield `(name, tensor)` for every parameter, whole, one gathered at a time; collective.
+        """Yield `(name, tensor)` for every parameter, whole; collective.
 
         For handing weights to a generator: vLLM's `model.load_weights(weights=...)`,
         SGLang's `update_weights_from_tensor` (see examples/generator_weights.py).
         Every rank calls it with the same arguments and iterates it to the end.
 
-        A yielded tensor is valid only until the next item is requested: the
+        Without `bucket_bytes`, one parameter is gathered at a time, and a
+        yielded tensor is valid only until the next item is requested: the
         consumer copies it (as vLLM's load_weights does) and never modifies it
         (it is a view of a buffer reused for the next parameter, or in a world
         of one of the engine's own shard). Extra memory is that one buffer, the
-        size of the largest parameter streamed: at most the largest unit. A tied weight comes once, under its first name
+        size of the largest parameter streamed: at most the largest unit. With
+        `bucket_bytes`, parameters are gathered that many bytes at a time, two
+        buckets in flight (`iter_weight_buckets`), and a yielded tensor stays
+        valid until the first parameter two buckets later is requested.
+        A tied weight comes once, under its first name
         (named_parameters order; with `names`, its first name listed). `names` restricts what is yielded; a name the
         model does not have raises ValueError before anything is gathered.
         `dtype` casts (None: the compute dtype, as stored). Works while states
         are parked by offload_states, lp_params included: they are read where
-        they rest (host memory or disk), one parameter at a time, and stay
-        parked. Works with the offload_param tiers. Buffers are not yielded.
+        they rest (host memory or disk) and stay parked. Works with the
+        offload_param tiers. Buffers are not yielded.
         """
-        from zero3.runtime import full_params
+        from zero3.runtime import full_params, weight_buckets
 
+        if bucket_bytes is not None:
+            return weight_buckets.whole_params(iter(self.iter_weight_buckets(bucket_bytes, dtype, names)))
         self._check_alive()
         self.parts.check_between_steps("iter_full_params")
         self.parts.repair_lp("iter_full_params")
         return full_params.stream(
             self.module, self.gather, self.offloader, self.compute_dtype if dtype is None else dtype, names,
         )
+
+    def iter_weight_buckets(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
+    ) -> Iterable[Any]:
+        """Yield `zero3.WeightBucket`s: every parameter, whole, packed in `named_parameters` order into flat
+        tensors of at most `bucket_bytes` (a larger parameter alone), each gathered in one exact all-gather
+        while the consumer reads the previous one (zero3.runtime.weight_buckets' Note); collective, as
+        `iter_full_params`. A bucket's `entries` give each parameter's name, shape, dtype and offset in
+        `flat`; on CUDA wait on its `event` before reading from another stream or process; call its
+        `release()` when done: a bucket not released is never written again (the next ones take new memory).
+        """
+        from zero3.runtime import full_params, weight_buckets
+
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected a positive number of bytes")
+        self._check_alive()
+        self.parts.check_between_steps("iter_full_params")
+        self.parts.repair_lp("iter_full_params")
+        dtype = self.compute_dtype if dtype is None else dtype
+        chosen = full_params.request(self.module, self.gather, dtype, names)
+        return weight_buckets.buckets(chosen, self.gather, self.offloader, dtype, bucket_bytes)
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an async save still writing (raises its error, if it failed)."""

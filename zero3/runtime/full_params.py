@@ -65,6 +65,13 @@ def stream(
 
     The checks run now, not at the first `next()`: an unknown name raises before anything is gathered.
     """
+    return _gathered(request(module, gather, dtype, names), gather, parked, dtype)
+
+
+def request(
+    module: nn.Module, gather: ParamGather, dtype: torch.dtype, names: Iterable[str] | None,
+) -> list[tuple[str, ShardedParam]]:
+    """The parameters a stream yields, once the request is checked (collective: every rank the same)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"iter_full_params: dtype must be a torch.dtype or None, got {dtype!r}")
     wanted: list[str] | None = None
@@ -74,8 +81,7 @@ def stream(
             raise TypeError(f"iter_full_params: names must be a collection of parameter names (str), got {names!r}")
         wanted = sorted(set(listed))
     _check_same_request(gather, dtype, wanted)
-    chosen = select(module, wanted)
-    return _gathered(chosen, gather, parked, dtype)
+    return select(module, wanted)
 
 
 def select(module: nn.Module, names: Collection[str] | None) -> list[tuple[str, ShardedParam]]:

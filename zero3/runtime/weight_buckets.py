@@ -1,0 +1,252 @@
+"""Whole parameters in buckets, two in flight: `engine.iter_weight_buckets` and `iter_full_params(bucket_bytes=)`.
+
+[Note: weight buckets]
+An RLHF step ends by handing every weight to the generator, on the critical
+path. One all-gather per parameter (zero3.runtime.full_params) pays a
+collective's latency hundreds of times; here parameters are packed, in
+`named_parameters` order, into buckets of at most `bucket_bytes` (a larger
+parameter gets a bucket of its own), and each bucket is one exact all-gather
+(never qwZ's quantized one): this rank's shards of the bucket, read from
+wherever they live and cast to the asked dtype, concatenated; the rank-major
+result is laid out so that each parameter's value is contiguous in the
+bucket's `flat` tensor, at its entry's `offset`.
+
+Two buckets are in flight: a bucket is handed out only after the next one's
+gather has been issued, so the collective runs (on gloo's worker thread, or
+NCCL's stream) while the consumer reads. On CUDA each bucket carries an event
+recorded after its layout, which a consumer on another stream, or another
+process (an IPC event), waits on before reading. A bucket's memory comes from
+a pool and goes back only when the consumer calls `release()`: one that is
+held is never written again (the pool makes another buffer instead), so a
+consumer may keep a bucket as long as it likes, at the cost of that memory.
+Extra memory while the consumer releases each bucket before the next: three
+buffers of the largest bucket (the one being read, the one laid out before
+it is released, the next one's rank-major output) and this rank's part of
+one. On a world of one
+a bucket's parameters that lie end to end in one in-memory 16-bit buffer, in
+the asked dtype, are handed out as a view of it, with no copy at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero3.comm import Communicator
+from zero3.partition.collectives import ParamGather, PendingGather
+from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.full_params import ParkedStates, _GatherBuffer, _read_shard
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One parameter in a bucket: its values are `flat[offset : offset + numel].view(shape)`."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    numel: int
+
+
+class WeightBucket:
+    """Whole parameters in one flat tensor (see [Note: weight buckets]). Read `flat` (or `tensors()`) after
+    waiting on `event` where there is one (CUDA); call `release()` when done, so that its memory is reused."""
+
+    def __init__(self, flat: torch.Tensor, entries: list[BucketEntry], event: Any, pool: _BufferPool | None) -> None:
+        self.flat = flat
+        self.entries = entries
+        self.event = event  # a torch.cuda.Event on CUDA (recorded when the values are in place), else None
+        self._pool = pool  # None: a view of the engine's own buffer, nothing to give back
+        self.released = False
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every parameter in the bucket: views of `flat`."""
+        for entry in self.entries:
+            yield entry.name, self.flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.numel for entry in self.entries) * self.flat.element_size()
+
+    def release(self) -> None:
+        """The consumer is done with the values: the bucket's memory may be written again."""
+        if not self.released and self._pool is not None:
+            self._pool.give(self.flat)
+        self.released = True
+
+
+class _BufferPool:
+    """Flat buffers of one size (the largest bucket's), reused once given back; a new one when none is free."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._free: list[torch.Tensor] = []
+        self.made = 0  # buffers made so far (the tests read it)
+
+    def take(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        self.made += 1
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def give(self, flat: torch.Tensor) -> None:
+        base = flat._base if flat._base is not None else flat
+        self._free.append(base)
+
+
+def plan(chosen: list[tuple[str, ShardedParam]], dtype: torch.dtype, bucket_bytes: int
+         ) -> list[list[tuple[str, ShardedParam]]]:
+    """The parameters, in order, packed into buckets of at most `bucket_bytes` of padded values in `dtype`
+    (a larger parameter alone in its own)."""
+    buckets: list[list[tuple[str, ShardedParam]]] = []
+    filled = 0
+    for name, sp in chosen:
+        size = sp.padded_numel * dtype.itemsize
+        if not buckets or filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append((name, sp))
+        filled += size
+    return buckets
+
+
+def _entries(bucket: list[tuple[str, ShardedParam]], dtype: torch.dtype) -> list[BucketEntry]:
+    entries, cursor = [], 0
+    for name, sp in bucket:
+        entries.append(BucketEntry(name, sp.shape, dtype, cursor, sp.numel))
+        cursor += sp.padded_numel
+    return entries
+
+
+def _record_event(device: torch.device) -> Any:
+    """An event recorded on the current stream now (CUDA), for a consumer on another stream or process."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(interprocess=True)
+    event.record()
+    return event
+
+
+def _in_place(bucket: list[tuple[str, ShardedParam]], dtype: torch.dtype) -> torch.Tensor | None:
+    """On a world of one: the bucket's values as one view of the 16-bit buffer they lie end to end in, when
+    they do and need no cast or read; else None."""
+    slots = [sp.lp_slot for _, sp in bucket]
+    first = slots[0]
+    if first is None or any(slot is None or slot.buffer is not first.buffer for slot in slots):
+        return None
+    buffer = first.buffer
+    if buffer.parked or buffer.store is not None or buffer.dtype != dtype:
+        return None
+    cursor = first.offset
+    for slot in slots:
+        assert slot is not None
+        if slot.offset != cursor:
+            return None
+        cursor += slot.numel
+    return buffer.view(first.offset, cursor - first.offset)
+
+
+class _BucketGather:
+    """One bucket's gather under way: this rank's shards sent, the rank-major output still arriving."""
+
+    def __init__(self, bucket: list[tuple[str, ShardedParam]], gather: ParamGather, pool: _BufferPool,
+                 staging: _GatherBuffer) -> None:
+        self.bucket = bucket
+        self.gather = gather
+        self.pool = pool
+        self.shard_numels = [sp.shard_numel for _, sp in bucket]
+        own = staging.take(sum(self.shard_numels))  # this rank's shards, concatenated, in the asked dtype
+        cursor = 0
+        for (_, sp), numel in zip(bucket, self.shard_numels):
+            _own_shard(sp, own[cursor : cursor + numel], staging)
+            cursor += numel
+        self.wire = pool.take()  # the rank-major output
+        self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * cursor])
+
+    def finish(self, dtype: torch.dtype) -> WeightBucket:
+        """Wait for the gather and lay each parameter out contiguously (a lone parameter's rank-major output
+        already is its value: the bucket keeps that buffer), then record the event."""
+        gathered = self.pending.wait()
+        if len(self.shard_numels) == 1:
+            flat = gathered
+        else:
+            flat = self.gather.copy_out(gathered, self.shard_numels, out=self.pool.take()[: gathered.numel()])
+            self.pool.give(self.wire)
+        return WeightBucket(flat, _entries(self.bucket, dtype), _record_event(flat.device), self.pool)
+
+
+def _own_shard(sp: ShardedParam, into: torch.Tensor, staging: _GatherBuffer) -> None:
+    """This rank's shard of `sp`, as a gather sends it, into `into` (cast to its dtype), read from wherever
+    it lives (the 16-bit buffer, a parked copy, the disk tier; a lean parameter's master, cast)."""
+    if sp.lp_slot is not None:
+        _read_shard(sp.lp_slot, into, staging)
+        return
+    assert sp.lean_master is not None, f"parameter {sp.name} has no shard storage"
+    fp32 = torch.empty(sp.shard_numel, dtype=torch.float32, device=into.device)
+    _read_shard(sp.lean_master, fp32, staging)
+    into.copy_(fp32.to(sp.dtype))
+
+
+def buckets(
+    chosen: list[tuple[str, ShardedParam]], gather: ParamGather, parked: ParkedStates, dtype: torch.dtype,
+    bucket_bytes: int,
+) -> Iterator[WeightBucket]:
+    """The buckets of `chosen`, each gathered while the consumer reads the one before (see the Note)."""
+    planned = plan(chosen, dtype, bucket_bytes)
+    if not planned:
+        return
+    parked.settle()  # background offload writes or reloads land first: each buffer is where it says
+    gather = gather.exact()
+    device = chosen[0][1].placeholder.device
+    largest = max(sum(sp.padded_numel for _, sp in bucket) for bucket in planned)
+    largest_own = max(sum(sp.shard_numel for _, sp in bucket) for bucket in planned)
+    pool = _BufferPool(largest, dtype, device)
+    if not gather.mesh.sharded:
+        yield from _unsharded(planned, pool, dtype, device, largest)
+        return
+    staging = _GatherBuffer(largest_own, dtype, device, max(sp.shard_numel for _, sp in chosen))
+    in_flight = _BucketGather(planned[0], gather, pool, staging)
+    for index in range(len(planned)):
+        ready = in_flight.finish(dtype)
+        if index + 1 < len(planned):  # issued before this bucket is handed out: it gathers while that is read
+            in_flight = _BucketGather(planned[index + 1], gather, pool, staging)
+        yield ready
+    Communicator.forget_released()  # the collectives' aliases of the buffers go with them
+
+
+def _unsharded(planned: list[list[tuple[str, ShardedParam]]], pool: _BufferPool, dtype: torch.dtype,
+               device: torch.device, largest: int) -> Iterator[WeightBucket]:
+    """A world of one: each bucket is a view of the engine's buffer where it can be (see the Note), else its
+    shards read into a pooled buffer."""
+    staging = _GatherBuffer(0, dtype, device, largest)
+    for bucket in planned:
+        view = _in_place(bucket, dtype)
+        if view is not None:
+            yield WeightBucket(view, _entries(bucket, dtype), _record_event(device), None)
+            continue
+        flat = pool.take()
+        cursor = 0
+        for _, sp in bucket:
+            _own_shard(sp, flat[cursor : cursor + sp.shard_numel], staging)
+            cursor += sp.shard_numel
+        yield WeightBucket(flat[:cursor], _entries(bucket, dtype), _record_event(device), pool)
+
+
+def whole_params(bucketed: Iterator[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_full_params(bucket_bytes=)`: the buckets' parameters one by one; a bucket is released when the
+    consumer asks for the first parameter two buckets after it, so a yielded tensor stays valid until then."""
+    previous: WeightBucket | None = None
+    for bucket in bucketed:
+        if bucket.event is not None:
+            bucket.event.wait()  # the consumer reads on the current stream
+        for item in bucket.tensors():
+            yield item
+        if previous is not None:
+            previous.release()
+        previous = bucket
+    if previous is not None:
+        previous.release()
