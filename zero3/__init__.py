@@ -45,6 +45,7 @@ from zero3.runtime.initialize import initialize
 from zero3.rank_failure import RankFailedError
 from zero3.runtime.weight_buckets import BucketEntry, WeightBucket
 from zero3.topology import TopologyError
+from zero3 import weights
 
 __version__ = "0.1.0"
 
@@ -82,6 +83,7 @@ __all__ = [
     "register_external_parameter",
     "unregister_external_parameter",
     "unwrap_model_for_generation",
+    "weights",
     "initialize",
     "load_config",
     "param_status",

@@ -70,7 +70,8 @@ class WeightBucket:
 
     @property
     def nbytes(self) -> int:
-        return sum(entry.numel for entry in self.entries) * self.flat.element_size()
+        """The bytes of `flat` (each parameter padded to whole shards)."""
+        return self.flat.numel() * self.flat.element_size()
 
     def release(self) -> None:
         """The consumer is done with the values: the bucket's memory may be written again."""

@@ -1,0 +1,131 @@
+"""Weights to a generator (`zero3.weights`, issue 44 item 2): a receiver process on this machine gets every weight
+bit-identical to `iter_full_params` over shared memory, at 1 and 2 training ranks, fp32 and bf16, from a
+resident engine, a parked one and one with its parameters on disk, twice (training in between); a module in
+the same process gets them through `load_into`, tied weights once, and a name that does not fit is refused on
+every rank before anything is gathered."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import zero3
+from tests import models
+from tests.distributed import run_ranks, script_env
+from tests.test_full_params import build
+
+REPO = str(Path(__file__).resolve().parent.parent)
+AUTHKEY = b"zero3-test"
+BUCKET_BYTES = 6000
+RECEIVER = """
+import sys
+from safetensors.torch import save_file
+from zero3.weights import SharedMemoryReceiver
+
+host, port, out, deliveries = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+receiver = SharedMemoryReceiver((host, port), authkey=b"zero3-test")
+for k in range(deliveries):
+    save_file({name: tensor.clone() for name, tensor in receiver.receive()}, f"{out}.{k}")
+receiver.close()
+"""
+
+
+def reference(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in engine.iter_full_params()}
+
+
+def deliver(rank: int, world: int, root: str, precision: str, tier: str, park: bool) -> dict[str, Any]:
+    """Two deliveries to a receiver process rank 0 starts, a training step between them."""
+    from safetensors.torch import load_file
+
+    engine, _ = build(precision, root, tier)
+    sender = zero3.weights.SharedMemorySender(engine, ("127.0.0.1", 0), AUTHKEY, bucket_bytes=BUCKET_BYTES)
+    out = os.path.join(root, f"received-{precision}-{tier}-{park}")
+    receiver = None
+    if rank == 0:
+        host, port = sender.address
+        receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, host, str(port), out, "2"], env=script_env(REPO))
+    expected, sent = [], []
+    for k in range(2):
+        models.train_steps(engine, rank, world, models.batches("tokens", 1, 4 * world, seed=k))
+        if park:
+            engine.offload_states(device="nvme", nvme_path=root)
+        expected.append(reference(engine))
+        sent.append(sender.send())
+        if park:
+            engine.reload_states()
+    sender.close()
+    engine.destroy()
+    if receiver is None:
+        return {"sent": sent}
+    code = receiver.wait(timeout=120)
+    got = [load_file(f"{out}.{k}") for k in range(2)]
+    return {
+        "sent": sent,
+        "code": code,
+        "alike": [sorted(g) == sorted(e) and all(torch.equal(g[n], e[n]) and g[n].dtype == e[n].dtype for n in e)
+                  for g, e in zip(got, expected)],
+        "changed": not all(torch.equal(got[0][n], got[1][n]) for n in got[0]),
+    }
+
+
+@pytest.mark.parametrize("world, precision, tier, park", [
+    (1, "fp32", "none", False),
+    (2, "bf16", "none", False),
+    (2, "bf16", "none", True),
+    (2, "fp32", "params_nvme", False),
+])
+def test_a_receiver_process_gets_every_weight_over_shared_memory(
+    world: int, precision: str, tier: str, park: bool, tmp_path: Path,
+) -> None:
+    results = run_ranks(world, deliver, str(tmp_path), precision, tier, park)
+    first = results[0]
+    assert first["code"] == 0
+    assert first["alike"] == [True, True] and first["changed"]
+    assert all(sent > 0 for sent in first["sent"])
+    assert all(result["sent"] == [0, 0] for result in results[1:])  # only rank 0 sends
+
+
+def in_process(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine, _ = build("bf16", root)
+    models.train_steps(engine, rank, world, models.batches("tokens", 2, 4 * world))
+    torch.manual_seed(123)
+    generator = models.TiedTransformer().to(torch.bfloat16)
+    out: dict[str, Any] = {}
+    copied = zero3.weights.load_into(engine, generator, bucket_bytes=BUCKET_BYTES)
+    expected = reference(engine)
+    theirs = dict(generator.named_parameters())
+    out["copied"] = (copied, len(expected))
+    out["alike"] = all(torch.equal(theirs[name], value) for name, value in expected.items())
+    out["tied"] = generator.head.weight is generator.embed.weight
+    # A rank without a generator only takes part in the gathers.
+    out["none"] = zero3.weights.load_into(engine, generator if rank == 0 else None, bucket_bytes=BUCKET_BYTES)
+    # A name the generator lacks, on one rank only: every rank raises before anything is gathered.
+    before = {name: p.clone() for name, p in generator.named_parameters()}
+    bad = {"pos": "position"} if rank == world - 1 else None
+    try:
+        zero3.weights.load_into(engine, generator, name_map=bad)
+    except ValueError as error:
+        out["refused"] = str(error)
+    out["untouched"] = all(torch.equal(before[name], p) for name, p in generator.named_parameters())
+    # A callable map that leaves a parameter out, with strict=False.
+    out["partial"] = zero3.weights.load_into(engine, generator, name_map=lambda n: None if n == "pos" else n,
+                                             strict=False)
+    engine.destroy()
+    return out
+
+
+def test_load_into_a_module_in_process(tmp_path: Path) -> None:
+    results = run_ranks(2, in_process, str(tmp_path))
+    for rank, out in enumerate(results):
+        copied, total = out["copied"]
+        assert copied == total and out["alike"] and out["tied"]
+        assert out["none"] == (total if rank == 0 else 0)
+        assert "position" in out["refused"] and out["untouched"], out
+        assert out["partial"] == total - 1

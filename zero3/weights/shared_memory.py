@@ -1,0 +1,188 @@
+"""Weights to a generator in another process on this machine, through shared memory.
+
+[Note: weights through shared memory]
+Training rank 0 listens on a `multiprocessing.connection` address (an HMAC
+handshake with `authkey`); the generator's process connects a
+`SharedMemoryReceiver`. Each `send()` (collective on the training ranks)
+streams the engine's weight buckets (zero3.runtime.weight_buckets): rank 0
+copies each bucket into one of two POSIX shared-memory segments and sends the
+receiver a JSON message (the segment's name and each parameter's name,
+shape, dtype and offset); the receiver yields `(name, tensor)` views of the
+segment, which a generator's `load_weights` copies. When its consumer asks
+for the first parameter of the next bucket, the receiver tells rank 0 it has
+released the last one, and only then does rank 0 write that segment again.
+So rank 0 fills one segment while the receiver reads the other, and the
+other ranks gather the next bucket meanwhile. Nothing crosses but bytes and
+JSON: no pickle, no code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import torch
+
+from zero3.weights.names import NameMap, mapped
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+_NAMES = itertools.count()
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _receive(conn: Connection) -> dict[str, Any]:
+    message = json.loads(conn.recv_bytes().decode())
+    if not isinstance(message, dict):
+        raise ValueError(f"weights over shared memory: an unexpected message {message!r}")
+    return message
+
+
+class SharedMemorySender:
+    """The training side (see the Note). Construct it on every training rank, with the same arguments; rank 0
+    listens at `address` (("127.0.0.1", 0) picks a free port: read `address` back) for one receiver."""
+
+    def __init__(self, engine: Any, address: Any, authkey: bytes, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 name_map: NameMap = None) -> None:
+        if not isinstance(authkey, bytes) or not authkey:
+            raise ValueError("SharedMemorySender: authkey must be non-empty bytes (the receiver passes the same)")
+        self.engine = engine
+        self.bucket_bytes = bucket_bytes
+        self.name_map = name_map
+        self.sends = engine.global_rank == 0
+        self._listener = Listener(address, authkey=authkey) if self.sends else None
+        self._conn: Connection | None = None
+        self._segments: list[SharedMemory | None] = [None, None]
+        self._holds: list[int | None] = [None, None]  # the bucket each segment holds until the receiver releases it
+        self._released: set[int] = set()
+
+    @property
+    def address(self) -> Any:
+        """Where rank 0 listens (None on the other ranks)."""
+        return self._listener.address if self._listener is not None else None
+
+    def send(self) -> int:
+        """Deliver every weight (collective on the training ranks). Rank 0 waits for the receiver to connect
+        on the first call, and returns once the receiver has released every bucket; returns the bytes sent
+        (0 on the other ranks)."""
+        sent = 0
+        conn = self._connection() if self.sends else None
+        for index, bucket in enumerate(self.engine.iter_weight_buckets(self.bucket_bytes)):
+            if conn is not None:
+                sent += self._deliver(conn, index, bucket)
+            bucket.release()
+        if conn is not None:
+            _send(conn, {"done": True})
+            for slot in range(2):
+                self._wait_released(conn, slot)
+            self._released.clear()
+        return sent
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            assert self._listener is not None
+            self._conn = self._listener.accept()
+        return self._conn
+
+    def _deliver(self, conn: Connection, index: int, bucket: Any) -> int:
+        slot = index % 2
+        self._wait_released(conn, slot)
+        nbytes = bucket.nbytes
+        segment = self._segment(slot, nbytes)
+        flat = bucket.flat.detach()
+        if bucket.event is not None:
+            bucket.event.synchronize()
+        values = flat.view(torch.uint8)[:nbytes]
+        torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes).copy_(values.cpu() if values.is_cuda else values)
+        entries = []
+        for entry in bucket.entries:
+            name = mapped(entry.name, self.name_map)
+            if name is not None:
+                entries.append([name, list(entry.shape), str(entry.dtype), entry.offset, entry.numel])
+        self._holds[slot] = index
+        _send(conn, {"bucket": index, "segment": segment.name, "entries": entries})
+        return nbytes
+
+    def _segment(self, slot: int, nbytes: int) -> SharedMemory:
+        segment = self._segments[slot]
+        if segment is None or segment.size < nbytes:
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+            size = max(nbytes, self.bucket_bytes)  # every bucket but a lone larger parameter fits: made once
+            segment = SharedMemory(name=f"zero3-weights-{os.getpid()}-{next(_NAMES)}", create=True, size=size)
+            self._segments[slot] = segment
+        return segment
+
+    def _wait_released(self, conn: Connection, slot: int) -> None:
+        held = self._holds[slot]
+        while held is not None and held not in self._released:
+            message = _receive(conn)
+            if "release" not in message:
+                raise ValueError(f"weights over shared memory: expected a release, got {message!r}")
+            self._released.add(int(message["release"]))
+        self._holds[slot] = None
+
+    def close(self) -> None:
+        """Hang up and free the segments (on every rank; only rank 0 holds any)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for segment in self._segments:
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+        self._segments = [None, None]
+
+
+class SharedMemoryReceiver:
+    """The generator's side (see the Note): connects to rank 0's `address` with the sender's `authkey`."""
+
+    def __init__(self, address: Any, authkey: bytes) -> None:
+        self._conn = Client(address, authkey=authkey)
+        self._attached: dict[str, SharedMemory] = {}
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One delivery: `(name, tensor)` for every weight, views of shared memory valid until the first
+        weight of the next bucket is asked for (copy them: a generator's `load_weights` does)."""
+        while True:
+            message = _receive(self._conn)
+            if message.get("done"):
+                return
+            segment = self._attach(str(message["segment"]))
+            for name, shape, dtype_name, offset, numel in message["entries"]:
+                dtype = _DTYPES.get(dtype_name)
+                if dtype is None:
+                    raise ValueError(f"weights over shared memory: {name} has dtype {dtype_name!r}, which is not a "
+                                     f"tensor dtype this receiver reads ({sorted(_DTYPES)})")
+                values = torch.frombuffer(segment.buf, dtype=dtype, count=numel, offset=offset * dtype.itemsize)
+                yield name, values.view(shape)
+            _send(self._conn, {"release": message["bucket"]})
+
+    def _attach(self, name: str) -> SharedMemory:
+        segment = self._attached.get(name)
+        if segment is None:
+            segment = SharedMemory(name=name)
+            # The sender owns the segment: this process must not unlink it at exit (Python < 3.13 would).
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+            self._attached[name] = segment
+        return segment
+
+    def close(self) -> None:
+        self._conn.close()
+        for segment in self._attached.values():
+            segment.close()
+        self._attached.clear()
