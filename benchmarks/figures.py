@@ -222,11 +222,33 @@ def render_rlhf(run: dict[str, Any]) -> str:
               f"not** ({peak_parked / peak_plain:.2f}x).\n\n" + provenance_line(run))
 
 
+# ---- weight_sync.py -------------------------------------------------------------------------------------------
+
+def render_weight_sync(run: dict[str, Any]) -> str:
+    setup = run["setup"]
+    rows = []
+    for model, found in run["models"].items():
+        medians = found["medians"]
+        rows.append([f"GPT {model}", str(found["tensors"]), f"{found['bytes'] / MIB:.1f}", f"{found['bound_s']:.4f}",
+                     f"{found['gather_s']:.4f}", f"**{medians['buckets']:.4f}**", f"{found['buckets_over_bound']:.2f}",
+                     f"{found['buckets_over_gather_and_copy']:.2f}", f"{medians['per parameter']:.4f}",
+                     f"{found['per_parameter_over_buckets']:.2f}", f"{medians['in-process']:.4f}"])
+    ranks = setup["nproc"]
+    return (f"Every weight from {ranks} training rank{'s' if ranks > 1 else ''} (gloo) to a receiver process over "
+            f"shared memory, {setup['precision']}, buckets of {setup['bucket_mib']:g} MiB, medians of "
+            f"{setup['repeats']}; copy = the model's bytes over this machine's copy rate, gather = one all-gather of "
+            "the whole model on these ranks; per parameter = the same sender with one parameter per bucket.\n\n"
+            + table(["model", "tensors", "MiB", "copy s", "gather s", "buckets s", "x copy", "x gather + copy",
+                     "per parameter s", "per parameter / buckets", "in-process s"], rows)
+            + "\n\n" + provenance_line(run))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
                                                           "checkpoint": render_checkpoint,
                                                           "recovery": render_recovery, "rlhf": render_rlhf,
                                                           "comm_volume": render_comm_volume,
-                                                          "zeropp_loss": render_zeropp_loss}
+                                                          "zeropp_loss": render_zeropp_loss,
+                                                          "weight_sync": render_weight_sync}
 
 
 def kind(name: str) -> str:
@@ -278,6 +300,10 @@ def headline(measured: Figures) -> str:
                          for name, short in names.items() if name in run["variants"]) + f" of plain ZeRO-3's {plain:.2f}M"
 
     add("cross-node bytes per step, 8 nodes x 8", "comm_volume_cpu", across)
+    add("weights to a generator process, 2 ranks, 292 tensors", "weight_sync_cpu",
+        lambda run: f"{run['models']['24x64']['per_parameter_over_buckets']:.1f}x faster than one gather per parameter "
+                    f"(goal 5x); 289 MiB in {run['models']['12x1024']['buckets_over_gather_and_copy']:.2f}x one "
+                    "all-gather + copy")
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")

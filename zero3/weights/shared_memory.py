@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection, Listener
@@ -35,6 +36,22 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                            torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 _NAMES = itertools.count()
+
+
+def _no_delay(conn: Connection) -> Connection:
+    """A TCP connection sends each small message at once (Nagle's algorithm, with the peer's delayed ACK,
+    would hold a release for tens of milliseconds); a Unix socket has nothing to set."""
+    try:
+        sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a duplicate of the descriptor
+    except OSError:
+        return conn
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # not TCP
+    finally:
+        sock.close()
+    return conn
 
 
 def _send(conn: Connection, message: dict[str, Any]) -> None:
@@ -91,7 +108,7 @@ class SharedMemorySender:
     def _connection(self) -> Connection:
         if self._conn is None:
             assert self._listener is not None
-            self._conn = self._listener.accept()
+            self._conn = _no_delay(self._listener.accept())
         return self._conn
 
     def _deliver(self, conn: Connection, index: int, bucket: Any) -> int:
@@ -134,8 +151,10 @@ class SharedMemorySender:
         self._holds[slot] = None
 
     def close(self) -> None:
-        """Hang up and free the segments (on every rank; only rank 0 holds any)."""
+        """Hang up (the receiver's `closed` turns true) and free the segments (on every rank; only rank 0
+        holds any)."""
         if self._conn is not None:
+            _send(self._conn, {"closed": True})
             self._conn.close()
             self._conn = None
         if self._listener is not None:
@@ -152,8 +171,9 @@ class SharedMemoryReceiver:
     """The generator's side (see the Note): connects to rank 0's `address` with the sender's `authkey`."""
 
     def __init__(self, address: Any, authkey: bytes) -> None:
-        self._conn = Client(address, authkey=authkey)
+        self._conn = _no_delay(Client(address, authkey=authkey))
         self._attached: dict[str, SharedMemory] = {}
+        self.closed = False  # the sender hung up: no delivery will come
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One delivery: `(name, tensor)` for every weight, views of shared memory valid until the first
@@ -162,14 +182,21 @@ class SharedMemoryReceiver:
             message = _receive(self._conn)
             if message.get("done"):
                 return
+            if message.get("closed"):
+                self.closed = True
+                return
             segment = self._attach(str(message["segment"]))
+            whole: dict[str, torch.Tensor] = {}  # the segment as each dtype (a bucket has one)
             for name, shape, dtype_name, offset, numel in message["entries"]:
-                dtype = _DTYPES.get(dtype_name)
-                if dtype is None:
-                    raise ValueError(f"weights over shared memory: {name} has dtype {dtype_name!r}, which is not a "
-                                     f"tensor dtype this receiver reads ({sorted(_DTYPES)})")
-                values = torch.frombuffer(segment.buf, dtype=dtype, count=numel, offset=offset * dtype.itemsize)
-                yield name, values.view(shape)
+                flat = whole.get(dtype_name)
+                if flat is None:
+                    dtype = _DTYPES.get(dtype_name)
+                    if dtype is None:
+                        raise ValueError(f"weights over shared memory: {name} has dtype {dtype_name!r}, which is not "
+                                         f"a tensor dtype this receiver reads ({sorted(_DTYPES)})")
+                    flat = whole[dtype_name] = torch.frombuffer(segment.buf, dtype=dtype,
+                                                                count=segment.size // dtype.itemsize)
+                yield name, flat[offset : offset + numel].view(shape)
             _send(self._conn, {"release": message["bucket"]})
 
     def _attach(self, name: str) -> SharedMemory:
