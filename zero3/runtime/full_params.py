@@ -115,7 +115,7 @@ def _check_same_request(gather: ParamGather, dtype: torch.dtype, names: list[str
         )
 
 
-class _GatherBuffer:
+class GatherBuffer:
     """The one flat buffer every parameter is gathered into in turn, made at its first use; and the one
     host piece that a shard read from disk passes through when it is cast or bound for a device."""
 
@@ -145,7 +145,7 @@ def _gathered(
     if not chosen:
         return
     parked.settle()  # background offload writes or reloads land first: each buffer is where it says
-    output = _GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device,
+    output = GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device,
                            max(sp.shard_numel for _, sp in chosen))
     for name, sp in chosen:
         yield name, _whole(sp, gather, output)
@@ -153,39 +153,34 @@ def _gathered(
     Communicator.forget_released()  # the collectives' aliases of the buffer go with it
 
 
-def _whole(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torch.Tensor:
+def _whole(sp: ShardedParam, gather: ParamGather, output: GatherBuffer) -> torch.Tensor:
     """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
     slot = sp.lp_slot
-    if slot is None:
-        return _whole_lean(sp, gather, output)
-    buffer = slot.buffer
-    in_place = not buffer.parked and buffer.dtype == output.dtype and buffer.device == output.device
-    if not gather.mesh.sharded and in_place:
-        return slot.view()[: sp.numel].view(sp.shape)  # a shard group of one: the shard is the parameter
+    if slot is not None and not gather.mesh.sharded:
+        buffer = slot.buffer
+        if not buffer.parked and buffer.dtype == output.dtype and buffer.device == output.device:
+            return slot.view()[: sp.numel].view(sp.shape)  # a shard group of one: the shard is the parameter
     full = output.take(sp.padded_numel)
     own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
-    _read_shard(slot, own, output)
+    read_own_shard(sp, own, output)
     if sp.shard_numel > 0:
         gather.gather(own, full)  # in place: this rank's shard already sits in its chunk
     return full[: sp.numel].view(sp.shape)
 
 
-def _whole_lean(sp: ShardedParam, gather: ParamGather, output: _GatherBuffer) -> torch.Tensor:
-    """`_whole` for a parameter that keeps no 16-bit shard (lean memory mode): its master, read wherever it
-    is, cast to the 16-bit values a gather sends, then to the buffer's dtype."""
-    master = sp.lean_master
-    assert master is not None, f"parameter {sp.name} has no shard storage"
-    full = output.take(sp.padded_numel)
-    own = full.narrow(0, gather.mesh.shard_rank * sp.shard_numel, sp.shard_numel)
-    fp32 = torch.empty(sp.shard_numel, dtype=torch.float32, device=own.device)
-    _read_shard(master, fp32, output)
-    own.copy_(fp32.to(sp.dtype))
-    if sp.shard_numel > 0:
-        gather.gather(own, full)
-    return full[: sp.numel].view(sp.shape)
+def read_own_shard(sp: ShardedParam, into: torch.Tensor, staging: GatherBuffer) -> None:
+    """This rank's shard of `sp`, as a gather sends it, into `into` (cast to its dtype), from wherever it
+    lives; a lean parameter's (zero3.partition.lean) is its master, read wherever it is, cast to its 16 bits."""
+    if sp.lp_slot is not None:
+        read_shard(sp.lp_slot, into, staging)
+        return
+    assert sp.lean_master is not None, f"parameter {sp.name} has no shard storage"
+    fp32 = torch.empty(sp.shard_numel, dtype=torch.float32, device=into.device)
+    read_shard(sp.lean_master, fp32, staging)
+    into.copy_(fp32.to(sp.dtype))
 
 
-def _read_shard(slot: Slot, into: torch.Tensor, output: _GatherBuffer) -> None:
+def read_shard(slot: Slot, into: torch.Tensor, output: GatherBuffer) -> None:
     """This rank's shard of one parameter into `into` (cast to its dtype), from wherever it lives."""
     buffer = slot.buffer
     if buffer.file is None or (into.device.type == "cpu" and into.dtype == buffer.dtype):

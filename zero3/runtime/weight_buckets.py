@@ -38,7 +38,7 @@ import torch
 from zero3.comm import Communicator
 from zero3.partition.collectives import ParamGather, PendingGather
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.full_params import ParkedStates, _GatherBuffer, _read_shard
+from zero3.runtime.full_params import GatherBuffer, ParkedStates, read_own_shard
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class _BucketGather:
     """One bucket's gather under way: this rank's shards sent, the rank-major output still arriving."""
 
     def __init__(self, bucket: list[tuple[str, ShardedParam]], gather: ParamGather, pool: _BufferPool,
-                 staging: _GatherBuffer) -> None:
+                 staging: GatherBuffer) -> None:
         self.bucket = bucket
         self.gather = gather
         self.pool = pool
@@ -163,7 +163,7 @@ class _BucketGather:
         own = staging.take(sum(self.shard_numels))  # this rank's shards, concatenated, in the asked dtype
         cursor = 0
         for (_, sp), numel in zip(bucket, self.shard_numels):
-            _own_shard(sp, own[cursor : cursor + numel], staging)
+            read_own_shard(sp, own[cursor : cursor + numel], staging)
             cursor += numel
         self.wire = pool.take()  # the rank-major output
         self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * cursor])
@@ -178,18 +178,6 @@ class _BucketGather:
             flat = self.gather.copy_out(gathered, self.shard_numels, out=self.pool.take()[: gathered.numel()])
             self.pool.give(self.wire)
         return WeightBucket(flat, _entries(self.bucket, dtype), _record_event(flat.device), self.pool)
-
-
-def _own_shard(sp: ShardedParam, into: torch.Tensor, staging: _GatherBuffer) -> None:
-    """This rank's shard of `sp`, as a gather sends it, into `into` (cast to its dtype), read from wherever
-    it lives (the 16-bit buffer, a parked copy, the disk tier; a lean parameter's master, cast)."""
-    if sp.lp_slot is not None:
-        _read_shard(sp.lp_slot, into, staging)
-        return
-    assert sp.lean_master is not None, f"parameter {sp.name} has no shard storage"
-    fp32 = torch.empty(sp.shard_numel, dtype=torch.float32, device=into.device)
-    _read_shard(sp.lean_master, fp32, staging)
-    into.copy_(fp32.to(sp.dtype))
 
 
 def buckets(
@@ -209,7 +197,7 @@ def buckets(
     if not gather.mesh.sharded:
         yield from _unsharded(planned, pool, dtype, device, largest)
         return
-    staging = _GatherBuffer(largest_own, dtype, device, max(sp.shard_numel for _, sp in chosen))
+    staging = GatherBuffer(largest_own, dtype, device, max(sp.shard_numel for _, sp in chosen))
     in_flight = _BucketGather(planned[0], gather, pool, staging)
     for index in range(len(planned)):
         ready = in_flight.finish(dtype)
@@ -223,7 +211,7 @@ def _unsharded(planned: list[list[tuple[str, ShardedParam]]], pool: _BufferPool,
                device: torch.device, largest: int) -> Iterator[WeightBucket]:
     """A world of one: each bucket is a view of the engine's buffer where it can be (see the Note), else its
     shards read into a pooled buffer."""
-    staging = _GatherBuffer(0, dtype, device, largest)
+    staging = GatherBuffer(0, dtype, device, largest)
     for bucket in planned:
         view = _in_place(bucket, dtype)
         if view is not None:
@@ -232,7 +220,7 @@ def _unsharded(planned: list[list[tuple[str, ShardedParam]]], pool: _BufferPool,
         flat = pool.take()
         cursor = 0
         for _, sp in bucket:
-            _own_shard(sp, flat[cursor : cursor + sp.shard_numel], staging)
+            read_own_shard(sp, flat[cursor : cursor + sp.shard_numel], staging)
             cursor += sp.shard_numel
         yield WeightBucket(flat[:cursor], _entries(bucket, dtype), _record_event(device), pool)
 
