@@ -3,9 +3,9 @@ each engine parking its states while another one works.
 
 This is a *workflow* demo, not a tuned RL algorithm. Each iteration:
 
-1. **generate**: the actor's weights are streamed whole, one parameter at a time, from
-   `actor.iter_full_params()` into a plain (non-zero3) copy of its architecture, the
-   generator, which samples `--new-tokens` characters after each prompt (a random window of
+1. **generate**: the actor's weights are delivered whole, in buckets of `--sync-bucket-mib`
+   (one all-gather each, the next in flight), by `zero3.weights.load_into` into a plain
+   (non-zero3) copy of its architecture, the generator, which samples `--new-tokens` characters after each prompt (a random window of
    the built-in corpus) with plain temperature sampling. The actor is parked meanwhile: the
    stream reads its 16-bit shards where they rest (host memory or disk).
 2. **score**: a rule-based reward (the fraction of sampled characters that are lowercase
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plain copies of each engine's bytes timed for the rate baseline (default: %(default)s)")
     park.add_argument("--sample-ms", type=positive_float, default=10.0,
                       help="memory sampling period for the plot, milliseconds (default: %(default)s)")
+    rl.add_argument("--sync-bucket-mib", type=positive_float, default=64.0,
+                    help="the weight sync's bucket, MiB (zero3.weights.load_into; default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("rlhf_colocate_out"),
                         help=f"output directory: {JSON_NAME} and {PNG_NAME} (default: %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -268,20 +270,11 @@ def build_generator(cfg: GPTConfig, device: torch.device) -> GPT:
     return generator
 
 
-@torch.no_grad()
-def load_generator(generator: nn.Module, actor: zero3.ZeroEngine) -> int:
-    """Stream the actor's weights into the generator, one whole parameter at a time (collective);
-    returns the bytes streamed. Each yielded tensor is copied before the next is asked for."""
-    params = dict(generator.named_parameters())
-    loaded: set[str] = set()
-    nbytes = 0
-    for name, tensor in actor.iter_full_params():
-        params[name].copy_(tensor)
-        loaded.add(name)
-        nbytes += tensor.numel() * tensor.element_size()
-    if loaded != set(params):
-        raise RuntimeError(f"the stream missed {sorted(set(params) - loaded)} (or sent {sorted(loaded - set(params))})")
-    return nbytes
+def load_generator(generator: nn.Module, actor: zero3.ZeroEngine, bucket_bytes: int) -> int:
+    """Deliver the actor's weights into the generator (collective: zero3.weights.load_into, which checks
+    that every generator parameter gets one); returns the bytes delivered, in the actor's dtype."""
+    zero3.weights.load_into(actor, generator, bucket_bytes=bucket_bytes)
+    return sum(p.numel() for p in generator.parameters()) * actor.compute_dtype.itemsize
 
 
 @torch.no_grad()
@@ -528,7 +521,8 @@ class Pass:
         p = args.prompt_len
         with self.rec.phase("generate", "generate") as event:
             start = time.perf_counter()
-            event["streamed_bytes"] = load_generator(self.generator, actor)  # from the parked actor
+            event["streamed_bytes"] = load_generator(  # from the parked actor
+                self.generator, actor, int(args.sync_bucket_mib * 2**20))
             event["stream_seconds"] = time.perf_counter() - start
             rng = torch.Generator(device=self.device).manual_seed(args.seed * 7919 + iteration * 104_729 + self.rank)
             seqs, logp_old = sample(self.generator, self.prompts(iteration), args.new_tokens, args.temperature, rng)
@@ -816,7 +810,8 @@ PHASE_COLORS = {"build": "#dddddd", "generate": "#8ecae6", "score": "#ffb703", "
 
 
 def plot(path: Path, passes: list[dict[str, Any]], device: torch.device) -> bool:
-    """Memory over time, one panel per pass (same scales), phases shaded; False (with a message) without
+    """Memory over time, one panel per pass (same scales), phases shaded, and a last panel with each
+    iteration's weight sync (the actor's weights into the generator); False (with a message) without
     matplotlib."""
     try:
         import matplotlib
@@ -828,11 +823,12 @@ def plot(path: Path, passes: list[dict[str, Any]], device: torch.device) -> bool
         print(f"matplotlib is not installed, so {path.name} is skipped: pip install zero3[plot] "
               "(or pip install matplotlib)", flush=True)
         return False
-    fig, axes = plt.subplots(len(passes), 1, figsize=(13, 3.8 * len(passes)), squeeze=False)
+    fig, axes = plt.subplots(len(passes) + 1, 1, figsize=(13, 3.8 * len(passes) + 2.6), squeeze=False,
+                             gridspec_kw={"height_ratios": [3.8] * len(passes) + [2.6]})
     what = "device memory allocated" if device.type == "cuda" else "process RSS"
     top = max(m for result in passes for rank in result["ranks"] for _, m in rank["samples"]) / 2**20
     right = max(t for result in passes for rank in result["ranks"] for t, _ in rank["samples"])
-    for ax, result in zip(axes[:, 0], passes):
+    for ax, result in zip(axes[:-1, 0], passes):
         for index, rank in enumerate(result["ranks"]):
             ax.plot([t for t, _ in rank["samples"]], [m / 2**20 for _, m in rank["samples"]], lw=1.2,
                     label=f"{what}, rank {index}")
@@ -853,7 +849,19 @@ def plot(path: Path, passes: list[dict[str, Any]], device: torch.device) -> bool
         shades = [Patch(color=color, alpha=0.35, label=kind) for kind, color in PHASE_COLORS.items()
                   if any(e["kind"] == kind for e in rank0["events"])]
         ax.legend(handles=handles + shades, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
-    axes[-1, 0].set_xlabel("seconds since the pass started")
+    axes[-2, 0].set_xlabel("seconds since the pass started")
+    sync = axes[-1, 0]
+    sync.xaxis.get_major_locator().set_params(integer=True)
+    for result in passes:
+        syncs = [e["stream_seconds"] for e in result["ranks"][0]["events"] if e["kind"] == "generate"]
+        sync.plot(range(1, len(syncs) + 1), [1000 * t for t in syncs], marker="o",
+                  label=f"parking to {result['park']}" if result["park"] else "no parking")
+    sync.set_title("weight sync per iteration: the actor's weights into the generator (zero3.weights.load_into, "
+                   "rank 0)", fontsize=10)
+    sync.set_xlabel("iteration")
+    sync.set_ylabel("ms")
+    sync.set_ylim(bottom=0)
+    sync.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
