@@ -232,14 +232,16 @@ def render_weight_sync(run: dict[str, Any]) -> str:
         rows.append([f"GPT {model}", str(found["tensors"]), f"{found['bytes'] / MIB:.1f}", f"{found['bound_s']:.4f}",
                      f"{found['gather_s']:.4f}", f"**{medians['buckets']:.4f}**", f"{found['buckets_over_bound']:.2f}",
                      f"{found['buckets_over_gather_and_copy']:.2f}", f"{medians['per parameter']:.4f}",
-                     f"{found['per_parameter_over_buckets']:.2f}", f"{medians['in-process']:.4f}"])
+                     f"{found['per_parameter_over_buckets']:.2f}",
+                     f"{medians['broadcast']:.4f}" if "broadcast" in medians else "", f"{medians['in-process']:.4f}"])
     ranks = setup["nproc"]
     return (f"Every weight from {ranks} training rank{'s' if ranks > 1 else ''} (gloo) to a receiver process over "
             f"shared memory, {setup['precision']}, buckets of {setup['bucket_mib']:g} MiB, medians of "
             f"{setup['repeats']}; copy = the model's bytes over this machine's copy rate, gather = one all-gather of "
-            "the whole model on these ranks; per parameter = the same sender with one parameter per bucket.\n\n"
+            "the whole model on these ranks; per parameter = the same sender with one parameter per bucket; "
+            "broadcast = `BroadcastSender` to one generator rank in another process, the same buckets.\n\n"
             + table(["model", "tensors", "MiB", "copy s", "gather s", "buckets s", "x copy", "x gather + copy",
-                     "per parameter s", "per parameter / buckets", "in-process s"], rows)
+                     "per parameter s", "per parameter / buckets", "broadcast s", "in-process s"], rows)
             + "\n\n" + provenance_line(run))
 
 

@@ -10,6 +10,8 @@ what a generator's `load_weights` copies from). Each way runs `--repeats` times,
 * ``buckets``        -- `SharedMemorySender(bucket_bytes=--bucket-mib)`: bucketed, two in flight;
 * ``per parameter``  -- the same sender with one parameter per bucket: one all-gather per parameter, as
                         `iter_full_params()` streams today;
+* ``broadcast``      -- `BroadcastSender` to one generator rank in another process (a `sync_group` of
+                        training rank 0 and it, gloo over loopback), in the same buckets;
 * ``in-process``     -- `iter_full_params(bucket_bytes=...)` iterated on the training ranks, no transport
                         (what `zero3.weights.load_into` costs before its copies).
 
@@ -56,6 +58,15 @@ while not receiver.closed:
         pass
 receiver.close()
 """ % AUTHKEY
+# A generator rank reached by broadcast: rank 1 of a group with training rank 0.
+BROADCAST_RECEIVER = """
+import sys
+from zero3.weights import BroadcastReceiver, sync_group
+receiver = BroadcastReceiver(sync_group(sys.argv[1], int(sys.argv[2]), 1, 2))
+while not receiver.closed:
+    for _ in receiver.receive():
+        pass
+"""
 
 
 def shape(text: str) -> GPTConfig:
@@ -95,7 +106,7 @@ def timed(fn: Any) -> float:
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     import zero3
-    from tests.distributed import script_env
+    from tests.distributed import free_port, script_env
     from zero3.partition.sharded_param import sharded
 
     torch.set_num_threads(1)
@@ -109,17 +120,24 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         engine = zero3.initialize(model=GPT(cfg), config=config, device="cpu")[0]
         bucket = int(args["bucket_mib"] * 2**20)
-        senders = {
+        senders: dict[str, Any] = {
             "buckets": zero3.weights.SharedMemorySender(engine, ("127.0.0.1", 0), AUTHKEY, bucket_bytes=bucket),
             "per parameter": zero3.weights.SharedMemorySender(engine, ("127.0.0.1", 0), AUTHKEY, bucket_bytes=1),
         }
         receivers = []
+        group = None
         if rank == 0:
             for sender in senders.values():
                 host, port = sender.address
                 receivers.append(subprocess.Popen([sys.executable, "-c", RECEIVER, host, str(port)],
                                                   env=script_env(str(_REPO))))
-        rows: dict[str, list[float]] = {"buckets": [], "per parameter": [], "in-process": []}
+            port = free_port()
+            receivers.append(subprocess.Popen([sys.executable, "-c", BROADCAST_RECEIVER, "127.0.0.1", str(port)],
+                                              env=script_env(str(_REPO))))
+            group = zero3.weights.sync_group("127.0.0.1", port, 0, 2)
+        broadcaster = zero3.weights.BroadcastSender(engine, group, bucket_bytes=bucket)
+        senders["broadcast"] = broadcaster
+        rows: dict[str, list[float]] = {"buckets": [], "per parameter": [], "broadcast": [], "in-process": []}
         for sender in senders.values():  # untimed: the receiver connects, the segments are made
             sender.send()
         for _ in range(args["repeats"]):
@@ -173,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.nproc} training ranks (gloo), {args.precision}, buckets of {args.bucket_mib:g} MiB; medians of "
           f"{args.repeats}; lower bound = bytes / this machine's copy rate")
     print(f"{'model':>9} {'tensors':>8} {'MiB':>8} {'copy s':>8} {'gather s':>9} {'buckets s':>10} {'x copy':>7} "
-          f"{'x gather+copy':>14} {'per-param s':>12} {'per-param / buckets':>20} {'in-process s':>13}")
+          f"{'x gather+copy':>14} {'per-param s':>12} {'per-param / buckets':>20} {'broadcast s':>12} "
+          f"{'in-process s':>13}")
     figures = {}
     for model, found in results.items():
         medians = {way: statistics.median(times) for way, times in found["rows"].items()}
@@ -186,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model:>9} {found['tensors']:>8} {found['bytes'] / 2**20:>8.1f} {bound:>8.4f} {found['gather_s']:>9.4f} "
               f"{medians['buckets']:>10.4f} {medians['buckets'] / bound:>7.2f} {medians['buckets'] / with_gather:>14.2f} "
               f"{medians['per parameter']:>12.4f} {medians['per parameter'] / medians['buckets']:>20.2f} "
-              f"{medians['in-process']:>13.4f}")
+              f"{medians['broadcast']:>12.4f} {medians['in-process']:>13.4f}")
     write_run(args.json, "weight_sync", args, models=figures)
     return 0
 

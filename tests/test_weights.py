@@ -92,6 +92,61 @@ def test_a_receiver_process_gets_every_weight_over_shared_memory(
     assert all(result["sent"] == [0, 0] for result in results[1:])  # only rank 0 sends
 
 
+BROADCAST_RECEIVER = """
+import sys
+from safetensors.torch import save_file
+from zero3.weights import BroadcastReceiver, sync_group
+
+host, port, rank, size, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+receiver = BroadcastReceiver(sync_group(host, port, rank, size))
+for k in range(2):
+    save_file({name: tensor.clone() for name, tensor in receiver.receive()}, f"{out}.{k}")
+sys.exit(0 if not list(receiver.receive()) and receiver.closed else 3)  # the sender closed
+"""
+
+
+def broadcast(rank: int, world: int, root: str, precision: str) -> dict[str, Any]:
+    """Two deliveries by broadcast to two generator processes (ranks 1 and 2 of a group with training rank 0)."""
+    from safetensors.torch import load_file
+
+    from tests.distributed import free_port
+
+    engine, _ = build(precision, root)
+    out = os.path.join(root, f"broadcast-{precision}")
+    receivers, group = [], None
+    if rank == 0:
+        port = free_port()
+        receivers = [subprocess.Popen([sys.executable, "-c", BROADCAST_RECEIVER, "127.0.0.1", str(port), str(r), "3",
+                                       f"{out}-{r}"], env=script_env(REPO)) for r in (1, 2)]
+        group = zero3.weights.sync_group("127.0.0.1", port, 0, 3)
+    sender = zero3.weights.BroadcastSender(engine, group, bucket_bytes=BUCKET_BYTES)
+    expected, sent = [], []
+    for k in range(2):
+        models.train_steps(engine, rank, world, models.batches("tokens", 1, 4 * world, seed=k))
+        expected.append(reference(engine))
+        sent.append(sender.send())
+    sender.close()
+    engine.destroy()
+    if rank != 0:
+        return {"sent": sent}
+    codes = [receiver.wait(timeout=120) for receiver in receivers]
+    got = [[load_file(f"{out}-{r}.{k}") for k in range(2)] for r in (1, 2)]
+    return {
+        "sent": sent, "codes": codes,
+        "alike": [sorted(g) == sorted(e) and all(torch.equal(g[n], e[n]) and g[n].dtype == e[n].dtype for n in e)
+                  for received in got for g, e in zip(received, expected)],
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_generator_ranks_get_every_weight_by_broadcast(precision: str, tmp_path: Path) -> None:
+    results = run_ranks(2, broadcast, str(tmp_path), precision)
+    first = results[0]
+    assert first["codes"] == [0, 0]
+    assert first["alike"] == [True] * 4
+    assert all(sent > 0 for sent in first["sent"]) and results[1]["sent"] == [0, 0]
+
+
 def in_process(rank: int, world: int, root: str) -> dict[str, Any]:
     engine, _ = build("bf16", root)
     models.train_steps(engine, rank, world, models.batches("tokens", 2, 4 * world))
