@@ -66,6 +66,7 @@ receiver = BroadcastReceiver(sync_group(sys.argv[1], int(sys.argv[2]), 1, 2))
 while not receiver.closed:
     for _ in receiver.receive():
         pass
+receiver.close()
 """
 
 

@@ -101,7 +101,9 @@ host, port, rank, size, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), i
 receiver = BroadcastReceiver(sync_group(host, port, rank, size))
 for k in range(2):
     save_file({name: tensor.clone() for name, tensor in receiver.receive()}, f"{out}.{k}")
-sys.exit(0 if not list(receiver.receive()) and receiver.closed else 3)  # the sender closed
+closed = not list(receiver.receive()) and receiver.closed  # the sender closed
+receiver.close()
+sys.exit(0 if closed else 3)
 """
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero3.comm import Communicator
 from zero3.weights.names import NameMap, mapped
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -45,7 +46,11 @@ def sync_group(host: str, port: int, rank: int, size: int, device: torch.device 
 def _broadcast(group: Any, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    # Through a private alias, which zero3.comm waits on at exit: a gloo worker that lets go of a tensor's
+    # last reference while the interpreter finalizes aborts the process (zero3.comm's [Note: the worker's
+    # tensors]).
+    (alias,) = Communicator._hand_over(tensor)
+    group.broadcast([alias], options).wait()
 
 
 class BroadcastSender:
@@ -81,9 +86,11 @@ class BroadcastSender:
         return sent
 
     def close(self) -> None:
-        """Tell the receivers that no delivery will come (their `closed` turns true); on every training rank."""
+        """Tell the receivers that no delivery will come (their `closed` turns true), and let go of the group;
+        on every training rank."""
         if self.group is not None:
             _broadcast(self.group, torch.tensor([-1], dtype=torch.int64))
+            Communicator.settle()
             self.group = None
 
     def _header(self, header: dict[str, Any] | None) -> None:
@@ -121,3 +128,8 @@ class BroadcastReceiver:
             values = flat.view(dtype)
             for name, shape, _, offset, numel in header["entries"]:
                 yield name, values[offset : offset + numel].view(shape)
+
+    def close(self) -> None:
+        """Let go of the group (its threads end now, not while the interpreter exits)."""
+        Communicator.settle()
+        self.group = None
