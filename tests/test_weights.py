@@ -40,6 +40,12 @@ def reference(engine: zero3.ZeroEngine) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in engine.iter_full_params()}
 
 
+def same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    """The same names, and each tensor equal in value and dtype."""
+    return sorted(got) == sorted(expected) and all(
+        torch.equal(got[n], expected[n]) and got[n].dtype == expected[n].dtype for n in expected)
+
+
 def deliver(rank: int, world: int, root: str, precision: str, tier: str, park: bool) -> dict[str, Any]:
     """Two deliveries to a receiver process rank 0 starts, a training step between them."""
     from safetensors.torch import load_file
@@ -69,8 +75,7 @@ def deliver(rank: int, world: int, root: str, precision: str, tier: str, park: b
     return {
         "sent": sent,
         "code": code,
-        "alike": [sorted(g) == sorted(e) and all(torch.equal(g[n], e[n]) and g[n].dtype == e[n].dtype for n in e)
-                  for g, e in zip(got, expected)],
+        "alike": [same_weights(g, e) for g, e in zip(got, expected)],
         "changed": not all(torch.equal(got[0][n], got[1][n]) for n in got[0]),
     }
 
@@ -135,8 +140,7 @@ def broadcast(rank: int, world: int, root: str, precision: str) -> dict[str, Any
     got = [[load_file(f"{out}-{r}.{k}") for k in range(2)] for r in (1, 2)]
     return {
         "sent": sent, "codes": codes,
-        "alike": [sorted(g) == sorted(e) and all(torch.equal(g[n], e[n]) and g[n].dtype == e[n].dtype for n in e)
-                  for received in got for g, e in zip(received, expected)],
+        "alike": [same_weights(g, e) for received in got for g, e in zip(received, expected)],
     }
 
 

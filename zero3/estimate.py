@@ -44,7 +44,7 @@ from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
-from zero3.partition.lean import lean_units
+from zero3.partition.lean import in_effect, lean_units
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -157,8 +157,7 @@ class EstimateSettings:
     @property
     def lean(self) -> bool:
         """Whether the trained parameters' shards are cast from masters of their own (build's rule)."""
-        return self.lean_memory and not masters_are_shards(self.compute_dtype, self.offload_optimizer,
-                                                            self.offload_param)
+        return in_effect(self.lean_memory, self.compute_dtype, self.offload_optimizer, self.offload_param)
 
     @property
     def grad_dtype(self) -> torch.dtype:

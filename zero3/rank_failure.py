@@ -69,15 +69,14 @@ class Scope:
 
 
 def peer_failure(
-    comm: Communicator, where: str, own: BaseException | None, consequence: str = "", scope: Scope | None = None,
+    comm: Communicator, scope: Scope, where: str, own: BaseException | None, consequence: str = "",
 ) -> BaseException | None:
-    """Collective (on `scope`, default the whole job): every rank's failure is exchanged. On a rank that did
-    not fail, the first failing rank's, rebuilt ("rank R failed in <where>: ..." and `consequence`); None on a
-    rank that failed."""
-    everyone = comm.all_gather_objects(describe(own), scope.group if scope is not None else None)
+    """Collective on `scope`: every rank's failure is exchanged. On a rank that did not fail, the first
+    failing rank's, rebuilt ("rank R failed in <where>: ..." and `consequence`); None on a rank that failed."""
+    everyone = comm.all_gather_objects(describe(own), scope.group)
     if own is not None:
         return None  # this rank's own exception is already on its way
-    return first_failure(everyone, where, consequence, scope.ranks if scope is not None else None)
+    return first_failure(everyone, where, consequence, scope.ranks)
 
 
 def first_failure(
@@ -94,18 +93,18 @@ def first_failure(
     return None
 
 
-def raise_peer_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "",
-                       scope: Scope | None = None) -> None:
+def raise_peer_failure(comm: Communicator, scope: Scope, where: str, own: BaseException | None,
+                       consequence: str = "") -> None:
     """Collective: a rank that did not fail raises the first failing rank's exception (see `peer_failure`)."""
-    error = peer_failure(comm, where, own, consequence, scope)
+    error = peer_failure(comm, scope, where, own, consequence)
     if error is not None:
         raise error
 
 
-def raise_agreed_failure(comm: Communicator, where: str, own: BaseException | None, consequence: str = "",
-                         scope: Scope | None = None) -> None:
+def raise_agreed_failure(comm: Communicator, scope: Scope, where: str, own: BaseException | None,
+                         consequence: str = "") -> None:
     """Collective, once the ranks have agreed that one failed: every rank raises, its own or the first."""
-    raise_peer_failure(comm, where, own, consequence, scope)
+    raise_peer_failure(comm, scope, where, own, consequence)
     if own is not None:
         raise own
     raise RankFailedError(f"a rank failed in {where}{consequence}")  # the flags said so; none described it
@@ -115,11 +114,11 @@ T = TypeVar("T")
 
 
 def agreed(
-    comm: Communicator, where: str, action: Callable[[], T], consequence: str = "",
-    undo: Callable[[], None] | None = None, scope: Scope | None = None,
+    comm: Communicator, scope: Scope, where: str, action: Callable[[], T], consequence: str = "",
+    undo: Callable[[], None] | None = None,
 ) -> T:
     """Collective: run `action` on every rank; if it raises on any, every rank raises (one exchange of
-    what each rank saw, on the control group: for calls between steps, not for the hot path). A rank
+    what each rank saw, on `scope`: for calls between steps, not for the hot path). A rank
     whose `action` succeeded runs `undo` first, if given."""
     own: Exception | None = None
     result: Any = None
@@ -127,10 +126,10 @@ def agreed(
         result = action()
     except Exception as error:  # noqa: BLE001 - every rank raises it, below
         own = error
-    everyone = comm.all_gather_objects(describe(own), scope.group if scope is not None else None)
+    everyone = comm.all_gather_objects(describe(own), scope.group)
     if own is not None:
         raise own
-    peer = first_failure(everyone, where, consequence, scope.ranks if scope is not None else None)
+    peer = first_failure(everyone, where, consequence, scope.ranks)
     if peer is not None:
         if undo is not None:
             undo()

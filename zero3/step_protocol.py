@@ -131,7 +131,7 @@ class StepProtocol:
     def fail_together(self, where: str, own: BaseException | None, consequence: str = "") -> None:
         """The flags said a rank failed in `where`: every rank raises (its own exception, or the first failing
         rank's, rebuilt, with `consequence`)."""
-        raise_agreed_failure(self.comm, where, own, consequence, self.scope)
+        raise_agreed_failure(self.comm, self.scope, where, own, consequence)
 
     def settle(self, where: str, own: BaseException | None, consequence: str = "",
                undo: Callable[[], None] | None = None) -> None:
@@ -143,11 +143,11 @@ class StepProtocol:
 
     def peer_failure(self, where: str, own: BaseException | None, consequence: str = "") -> BaseException | None:
         """Every rank's failure exchanged: on a rank that did not fail, the first failing rank's; else None."""
-        return peer_failure(self.comm, where, own, consequence, self.scope)
+        return peer_failure(self.comm, self.scope, where, own, consequence)
 
     def raise_if_peer_failed(self, where: str, own: BaseException | None, consequence: str = "") -> None:
         """`peer_failure`, raised where there is one (a rank that failed goes on with its own exception)."""
-        raise_peer_failure(self.comm, where, own, consequence, self.scope)
+        raise_peer_failure(self.comm, self.scope, where, own, consequence)
 
     def outcomes(self, own: BaseException | None, payload: Any = None, group: Any = None) -> list[tuple[Any, Any]]:
         """One exchange of every rank's failure (described: zero3.rank_failure's `describe`) beside its
@@ -172,4 +172,4 @@ class StepProtocol:
               undo: Callable[[], None] | None = None) -> T:
         """`action` on every rank; if it raised on any, every rank raises (a rank where it succeeded runs
         `undo` first): one exchange on the scope's group, for calls between steps."""
-        return agreed(self.comm, where, action, consequence, undo, self.scope)
+        return agreed(self.comm, self.scope, where, action, consequence, undo)

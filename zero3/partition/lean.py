@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from zero3.offload.optimizer_tier import masters_are_shards
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
 from zero3.partition.unit import GatherUnit
@@ -47,6 +48,11 @@ class MasterCast:
             masters.append(sp.lean_master.view())
         torch._foreach_copy_(pieces, masters, non_blocking=True)
         return shard
+
+
+def in_effect(lean_memory: bool, compute_dtype: torch.dtype, offload_optimizer: str, offload_param: str) -> bool:
+    """Whether `lean_memory` drops any shard: only where the masters are not the shards themselves."""
+    return lean_memory and not masters_are_shards(compute_dtype, offload_optimizer, offload_param)
 
 
 def lean_units(units: Iterable[GatherUnit], trained: set[ShardedParam]) -> list[GatherUnit]:

@@ -40,7 +40,7 @@ from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.partition.lean import go_lean, lean_units
+from zero3.partition.lean import go_lean, in_effect as lean_in_effect, lean_units
 from zero3.partition.leaf_modules import mark_leaves
 from zero3.partition.partitioner import partition_model
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
@@ -204,8 +204,8 @@ def build(
         config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
     ), protocol)
     # Lean memory mode: the units whose 16-bit shards are cast from their masters keep none (zero3.partition.lean).
-    lean = lean_units(all_units, set(trainable)) if zc.lean_memory and spec is not None and not masters_are_shards(
-        compute_dtype, zc.offload_optimizer.device, zc.offload_param.device) else []
+    lean = lean_units(all_units, set(trainable)) if spec is not None and lean_in_effect(
+        zc.lean_memory, compute_dtype, zc.offload_optimizer.device, zc.offload_param.device) else []
     layout = lay_out_params(config, [unit for unit in all_units if unit not in lean], compute_dtype, device, disk)
 
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.

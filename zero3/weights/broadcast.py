@@ -22,11 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
-from zero3.weights.names import NameMap, mapped
-
-DEFAULT_BUCKET_BYTES = 256 << 20
-_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+from zero3.weights.wire import DEFAULT_BUCKET_BYTES, NameMap, header, raw_bytes, views
 
 
 def sync_group(host: str, port: int, rank: int, size: int, device: torch.device | str = "cpu",
@@ -73,12 +69,8 @@ class BroadcastSender:
         sent = 0
         for bucket in self.engine.iter_weight_buckets(self.bucket_bytes):
             if self.group is not None:
-                if bucket.event is not None:
-                    bucket.event.synchronize()
-                entries = [[name, list(entry.shape), str(entry.dtype), entry.offset, entry.numel]
-                           for entry in bucket.entries if (name := mapped(entry.name, self.name_map)) is not None]
-                self._header({"nbytes": bucket.nbytes, "dtype": str(bucket.flat.dtype), "entries": entries})
-                _broadcast(self.group, bucket.flat.detach().view(torch.uint8)[: bucket.nbytes])
+                self._header(header(bucket, self.name_map))
+                _broadcast(self.group, raw_bytes(bucket))
                 sent += bucket.nbytes
             bucket.release()
         if self.group is not None:
@@ -93,8 +85,8 @@ class BroadcastSender:
             Communicator.settle()
             self.group = None
 
-    def _header(self, header: dict[str, Any] | None) -> None:
-        raw = json.dumps(header).encode() if header is not None else b""
+    def _header(self, sent: dict[str, Any] | None) -> None:
+        raw = json.dumps(sent).encode() if sent is not None else b""
         _broadcast(self.group, torch.tensor([len(raw)], dtype=torch.int64))
         if raw:
             _broadcast(self.group, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
@@ -119,15 +111,10 @@ class BroadcastReceiver:
                 return
             raw = torch.empty(int(length), dtype=torch.uint8)
             _broadcast(self.group, raw)
-            header = json.loads(bytes(raw.numpy()).decode())
-            dtype = _DTYPES.get(header["dtype"])
-            if dtype is None:
-                raise ValueError(f"weights by broadcast: dtype {header['dtype']!r} is not one this receiver reads")
-            flat = torch.empty(int(header["nbytes"]), dtype=torch.uint8, device=self.device)
+            received = json.loads(bytes(raw.numpy()).decode())
+            flat = torch.empty(int(received["nbytes"]), dtype=torch.uint8, device=self.device)
             _broadcast(self.group, flat)
-            values = flat.view(dtype)
-            for name, shape, _, offset, numel in header["entries"]:
-                yield name, values[offset : offset + numel].view(shape)
+            yield from views(flat, received)
 
     def close(self) -> None:
         """Let go of the group (its threads end now, not while the interpreter exits)."""

@@ -15,9 +15,7 @@ import torch
 from torch import nn
 
 from zero3.runtime import full_params
-from zero3.weights.names import NameMap, mapped
-
-DEFAULT_BUCKET_BYTES = 256 << 20
+from zero3.weights.wire import DEFAULT_BUCKET_BYTES, NameMap, mapped
 
 
 def load_into(engine: Any, module: nn.Module | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -30,11 +30,7 @@ from typing import Any
 
 import torch
 
-from zero3.weights.names import NameMap, mapped
-
-DEFAULT_BUCKET_BYTES = 256 << 20
-_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+from zero3.weights.wire import DEFAULT_BUCKET_BYTES, NameMap, header, raw_bytes, views
 _NAMES = itertools.count()
 
 
@@ -116,18 +112,10 @@ class SharedMemorySender:
         self._wait_released(conn, slot)
         nbytes = bucket.nbytes
         segment = self._segment(slot, nbytes)
-        flat = bucket.flat.detach()
-        if bucket.event is not None:
-            bucket.event.synchronize()
-        values = flat.view(torch.uint8)[:nbytes]
+        values = raw_bytes(bucket)
         torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes).copy_(values.cpu() if values.is_cuda else values)
-        entries = []
-        for entry in bucket.entries:
-            name = mapped(entry.name, self.name_map)
-            if name is not None:
-                entries.append([name, list(entry.shape), str(entry.dtype), entry.offset, entry.numel])
         self._holds[slot] = index
-        _send(conn, {"bucket": index, "segment": segment.name, "entries": entries})
+        _send(conn, {"bucket": index, "segment": segment.name, **header(bucket, self.name_map)})
         return nbytes
 
     def _segment(self, slot: int, nbytes: int) -> SharedMemory:
@@ -186,17 +174,7 @@ class SharedMemoryReceiver:
                 self.closed = True
                 return
             segment = self._attach(str(message["segment"]))
-            whole: dict[str, torch.Tensor] = {}  # the segment as each dtype (a bucket has one)
-            for name, shape, dtype_name, offset, numel in message["entries"]:
-                flat = whole.get(dtype_name)
-                if flat is None:
-                    dtype = _DTYPES.get(dtype_name)
-                    if dtype is None:
-                        raise ValueError(f"weights over shared memory: {name} has dtype {dtype_name!r}, which is not "
-                                         f"a tensor dtype this receiver reads ({sorted(_DTYPES)})")
-                    flat = whole[dtype_name] = torch.frombuffer(segment.buf, dtype=dtype,
-                                                                count=segment.size // dtype.itemsize)
-                yield name, flat[offset : offset + numel].view(shape)
+            yield from views(torch.frombuffer(segment.buf, dtype=torch.uint8), message)
             _send(self._conn, {"release": message["bucket"]})
 
     def _attach(self, name: str) -> SharedMemory:
