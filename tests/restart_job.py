@@ -181,6 +181,11 @@ def train(argv: list[str]) -> None:
         return real_checksums(files, checksum)
 
     checkpoint_state.checksums = checksums_or_die  # type: ignore[assignment]
+    # An async save is written by the rank's checkpoint writer process, where tests/hooks/sitecustomize.py
+    # kills the rank at the same point.
+    mid_save = [str(step) for step, point in my_kills if point == "mid_save"]
+    if mid_save:
+        os.environ["ZERO3_TEST_MID_SAVE_KILLS"] = ",".join(mid_save)
 
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()

@@ -159,6 +159,22 @@ def supports_pinned_memory(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+def register_host_pages(memory: torch.Tensor, device: torch.device) -> bool:
+    """Page-lock host memory that torch did not allocate (a shared-memory segment) for DMA copies to and
+    from `device`; False where that means nothing (no CUDA) or the driver refused (the copies then stage
+    through the driver's own buffers: slower, still correct)."""
+    if not supports_pinned_memory(device):
+        return False
+    status = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel() * memory.element_size(), 0)
+    return int(status) == 0
+
+
+def unregister_host_pages(memory: torch.Tensor, device: torch.device) -> None:
+    """Undo `register_host_pages` (before the memory is unmapped)."""
+    if supports_pinned_memory(device):
+        torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+
+
 def copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
     """A side stream for copies that overlap compute; None on the CPU (copies are synchronous there)."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -1,27 +1,58 @@
-"""The background writer of async saves: one save at a time; the next save, load or close waits for it."""
+"""An engine's async saves: one at a time; the next save, load or close waits for the last.
+
+The state is staged in a shared-memory segment (zero3.checkpoint.staging) on the
+training thread; a thread of the engine then hands it to this rank's checkpoint
+writer process (zero3.checkpoint.writer_process, and its Note for why a
+process) and waits for the answer, the GIL free. Where the job's store has no
+address the thread writes the tag itself, on the checkpoint group.
+"""
 
 from __future__ import annotations
 
+import datetime
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zero3.offload.host import HostBufferPool
+import torch
+from torch.distributed.constants import default_pg_timeout
 
-STAGING = "ckpt-staging:"  # host-pool keys of an async save's copies
+from zero3.checkpoint.staging import StagingArena
+from zero3.checkpoint.writer_process import WriteRequest, WriterProcess, WriterSetup, job_store_address
+from zero3.comm import Communicator
+
+if TYPE_CHECKING:
+    from zero3.checkpoint.state import Write
+
+# What a rank says of its writer before each async save (see `_writer_for_this_save`).
+_RUNNING, _NEEDED, _UNAVAILABLE = "running", "needed", "unavailable"
 
 
 class AsyncSaves:
-    def __init__(self, host_pool: HostBufferPool) -> None:
-        self._host_pool = host_pool  # holds the staged copies (keys under STAGING) until the write is done
+    def __init__(self, comm: Communicator, device: torch.device, rank: int) -> None:
+        self._comm = comm
+        self._rank = rank  # in the job
+        self._arena = StagingArena(device)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
+        self._writer: WriterProcess | None = None
+        self._in_thread = False  # the job agreed that its saves are written in this thread
 
-    def executor(self) -> ThreadPoolExecutor:
-        """The writer thread (made on the first async save)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
-        return self._executor
+    def submit(self, write: Write, live: dict[str, Any]) -> Future[Path]:
+        """Stage `live` (this rank's state entries) and write it in the background; collective (every rank
+        calls it at the same save). The previous save has been waited for."""
+        from zero3.checkpoint.state import CommGroup
+
+        assert self._pending is None or self._pending.done(), "wait() for the last save first"
+        placements, staged = self._arena.stage(live, shared=not self._in_thread)
+        writer = self._writer_for_this_save()
+        if writer is None:
+            group = CommGroup(self._comm, self._comm.checkpoint_group())
+            return self._thread().submit(write.run, group, staged)
+        del staged  # the writer maps the segment itself
+        request = WriteRequest(write, self._arena.name, placements)
+        return self._thread().submit(writer.write, request)
 
     def track(self, written: Future[Any] | Path) -> None:
         """Remember a save still writing (a finished one needs nothing)."""
@@ -29,24 +60,65 @@ class AsyncSaves:
             self._pending = written
 
     def wait(self) -> None:
-        """Wait for a save still writing; raises its error, if it failed. The staged copies are freed."""
+        """Wait for a save still writing; raises its error, if it failed."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
+        if pending is not None:
             pending.result()
-        finally:
-            self._host_pool.drop(STAGING)
 
     def close(self) -> BaseException | None:
-        """Wait for the last save and stop the writer; returns the save's error instead of raising it,
-        so the caller can finish tearing down first."""
+        """Wait for the last save, stop the writer and free the staging memory; returns the save's error
+        instead of raising it, so the caller can finish tearing down first."""
         error: BaseException | None = None
         try:
             self.wait()
         except Exception as failure:  # noqa: BLE001 - handed back to the caller
             error = failure
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            self._thread().submit(writer.close).result()  # from the thread that started it
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._arena.close()
         return error
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
+        return self._executor
+
+    def _writer_for_this_save(self) -> WriterProcess | None:
+        """The writer of this save, as every rank agrees (one exchange): the running ones if every rank's
+        runs, else a new generation on every rank (a first save, or one whose writer exited); None where
+        some rank cannot have one (writes in the thread, from then on)."""
+        if self._in_thread:
+            return None
+        world = self._comm.job_size
+        address = job_store_address()
+        if (world > 1 and address is None) or not self._arena.shared:
+            said = _UNAVAILABLE
+        else:
+            said = _RUNNING if self._writer is not None and self._writer.alive else _NEEDED
+        proposal = f"zero3-checkpoint-writers/{uuid.uuid4().hex}/" if self._rank == 0 else None
+        heard = self._comm.all_gather_objects((said, proposal))
+        states = {state for state, _ in heard}
+        if _UNAVAILABLE in states:
+            self._in_thread = True
+            self._stop_writer()
+            return None
+        if states != {_RUNNING}:
+            self._stop_writer()
+            setup = WriterSetup(address if world > 1 else None, heard[0][1], self._rank, world, self._timeout_s())
+            self._writer = self._thread().submit(WriterProcess, setup).result()  # started by the saves' thread
+        return self._writer
+
+    def _stop_writer(self) -> None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            self._thread().submit(writer.close).result()
+
+    def _timeout_s(self) -> float:
+        topology = self._comm.topology
+        timeout = topology.timeout if topology is not None and topology.timeout is not None else default_pg_timeout
+        assert isinstance(timeout, datetime.timedelta)
+        return timeout.total_seconds()

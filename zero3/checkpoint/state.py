@@ -21,12 +21,12 @@ import gc
 import logging
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,8 +34,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from zero3 import accelerator
-from zero3.checkpoint.async_saves import STAGING
 from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
 from zero3.checkpoint.read_ahead import PageIn, page_in_own_files
 from zero3.checkpoint.same_layout import SameLayoutLoad
@@ -51,6 +49,9 @@ from zero3.step_protocol import StepProtocol
 from zero3.offload.host import HostBufferPool
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from zero3.checkpoint.async_saves import AsyncSaves
 
 log = logging.getLogger("zero3")
 
@@ -226,12 +227,12 @@ def _engine_state(engine: CheckpointedEngine, client_state: Any, rank_states: li
 
 def save(
     engine: CheckpointedEngine, save_dir: str | os.PathLike[str], tag: str | None, client_state: Any,
-    save_latest: bool, keep_last: int | None, executor: ThreadPoolExecutor | None = None,
+    save_latest: bool, keep_last: int | None, saves: AsyncSaves | None = None,
 ) -> Future[Path] | Path:
     """Every rank writes its own pieces; rank 0 publishes the tag once all are complete (collective).
 
-    With an `executor` (async save) the state is first staged in host memory, the writing runs
-    there on a gloo group of its own, and a Future is returned; else the path, once published.
+    With `saves` (an async save) the state is first staged in host memory and written in the
+    background (zero3.checkpoint.async_saves), and a Future is returned; else the path, once published.
     """
     comm = engine.comm
     tag = check_tag(tag if tag is not None else f"global_step{engine.counters.global_steps}")
@@ -249,34 +250,40 @@ def save(
             staging_dir(root, tag).mkdir()
         except OSError as error:
             problem = save_failure(error, root, 0)
-    _agree(engine.protocol, problem, None, root, tag, engine.rank)  # rank 0's failure is every rank's (none waits)
+    _agree(CommGroup(comm, engine.protocol.scope.group), problem, root, tag, engine.rank)  # rank 0's failure is every rank's
     # The engine's own state is taken now (an async write must not see later steps): a copy, so that
     # the writer never has to read anything back (see zero3.checkpoint.trust's Note).
     rank_states = comm.all_gather_objects(engine.rank_state) if engine.rank_state is not None else None
     engine_state = copy.deepcopy(_engine_state(engine, client_state, rank_states)) if engine.rank == 0 else {}
     live = entries(engine, optimizer_states=engine.optimizer is not None)
-    job = _Write(root, tag, engine_state, save_latest, keep_last, engine.rank)
-    if executor is None:
-        return job.run(engine.protocol, live, comm.control_group)
-    staged = _stage(live, engine.host_pool, engine.device)
-    group = comm.checkpoint_group()
-    return executor.submit(job.run, engine.protocol, staged, group)
+    job = Write(root, tag, engine_state, save_latest, keep_last, engine.rank)
+    if saves is None:
+        return job.run(CommGroup(comm, comm.control_group), live)
+    return saves.submit(job, live)
 
 
-def _stage(live: dict[str, Any], pool: HostBufferPool, device: torch.device) -> dict[str, Any]:
-    """Host copies of every entry (pinned beside a GPU), so training may change the originals."""
-    staged: dict[str, Any] = {}
-    for key, entry in live.items():
-        if isinstance(entry, RangeChunks):
-            numel = entry.end - entry.start
-            host = pool.get(f"{STAGING}{key}", numel, entry.dtype, pin=True)
-            source = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
-            host.copy_(source, non_blocking=host.is_pinned())
-            staged[key] = RangeChunks(entry.shape, entry.dtype, entry.start, entry.end, values=host)
-        else:
-            staged[key] = entry.detach().to("cpu", copy=True)
-    accelerator.synchronize(device)  # the pinned copies have landed before the originals may change
-    return staged
+class WriteGroup(Protocol):
+    """The ranks a tag is written by, as the writing reaches them: DCP's process group and two exchanges."""
+
+    group: Any  # the torch process group DCP runs on (None: the default group)
+
+    def all_gather_objects(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """One of the engine's groups, through its communicator (a blocking save, or an async one in a thread)."""
+
+    comm: Communicator
+    group: Any
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        return self.comm.all_gather_objects(obj, self.group)
+
+    def barrier(self) -> None:
+        self.comm.barrier(self.group)
 
 
 class _ItemRecordingWriter(FileSystemWriter):
@@ -305,8 +312,9 @@ class _ItemRecordingWriter(FileSystemWriter):
 
 
 @dataclass
-class _Write:
-    """Writing one tag once its entries are fixed: DCP's files, their checksums, then the publication."""
+class Write:
+    """Writing one tag once its entries are fixed: DCP's files, their checksums, then the publication
+    (by the training process, or by its checkpoint writer process: zero3.checkpoint.writer_process)."""
 
     root: Path
     tag: str
@@ -315,15 +323,14 @@ class _Write:
     keep_last: int | None
     rank: int  # this rank in the job
 
-    def run(self, protocol: StepProtocol, state: dict[str, Any], group: Any) -> Path:
-        """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`), agreed on
-        `group` (an async save's own, off the training thread's)."""
-        comm = protocol.comm
+    def run(self, peers: WriteGroup, state: dict[str, Any]) -> Path:
+        """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`), agreed
+        among `peers` (an async save's own group, off the training thread's)."""
         staged = staging_dir(self.root, self.tag)
         problem = None
         try:
             writer = _ItemRecordingWriter(staged)
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=peers.group)
             # Each item of this rank's files, so that a load checks each as it reads it (zero3.checkpoint.trust's
             # [Note: verified reads]); rank 0 (DCP's coordinator) also sums the metadata it wrote, whole.
             sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else [], SAVED_WITH))
@@ -332,9 +339,9 @@ class _Write:
                 sums[file.name] = item_checksums(file, items.get(file.name, []), SAVED_WITH)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
-        _agree(protocol, problem, group, self.root, self.tag, self.rank)
+        _agree(peers, problem, self.root, self.tag, self.rank)
         files: dict[str, FileSums] = {}
-        for found in comm.all_gather_objects(sums, group):
+        for found in peers.all_gather_objects(sums):
             files.update(found)
         if self.rank == 0:
             try:
@@ -345,7 +352,7 @@ class _Write:
                 publish(self.root, self.tag, self.save_latest)
             except Exception as error:  # noqa: BLE001 - told to every rank below
                 problem = save_failure(error, staged, 0)
-        _agree(protocol, problem, group, self.root, self.tag, self.rank)
+        _agree(peers, problem, self.root, self.tag, self.rank)
         if self.rank == 0 and self.keep_last is not None:
             removed = prune(self.root, self.keep_last, self.tag)
             if removed:
@@ -382,15 +389,15 @@ def save_failure(error: BaseException, directory: Path, rank: int) -> str:
 _NEARLY_FULL = 1 << 20  # bytes: a write that failed with less free than this failed for room
 
 
-def _agree(protocol: StepProtocol, problem: str | None, group: Any, root: Path, tag: str, rank: int) -> None:
+def _agree(peers: WriteGroup, problem: str | None, root: Path, tag: str, rank: int) -> None:
     """Every rank learns whether any failed; if one did, the partial tag is removed and every rank raises
     the same CheckpointError (what `latest` names is untouched)."""
-    problems = protocol.problems(problem, group)
+    problems = [found for found in peers.all_gather_objects(problem) if found is not None]
     if not problems:
         return
     if rank == 0:
         shutil.rmtree(staging_dir(root, tag), ignore_errors=True)
-    protocol.comm.barrier(group)  # every rank raises once the partial tag is gone
+    peers.barrier()  # every rank raises once the partial tag is gone
     latest = root / LATEST
     kept = f"'latest' still names {latest.read_text().strip()!r}" if latest.is_file() else "no tag was published"
     raise CheckpointError(f"save_checkpoint of tag {tag!r} into {str(root)!r} failed: {problems[0]}. Nothing was "

@@ -144,7 +144,7 @@ class CheckpointMethods:
             log.warning("save_checkpoint between micro-steps: the gradients accumulated so far are not saved")
         written = _state().save(
             self._checkpointed(saving=True), save_dir, tag, client_state, save_latest, keep_last,
-            self.saves.executor() if async_save else None,
+            self.saves if async_save else None,
         )
         self.saves.track(written)
         return True

@@ -1,0 +1,207 @@
+"""Where an async save's state waits while it is written: one shared-memory segment per rank.
+
+An async save copies every entry of the rank's state (zero3.checkpoint.state's
+`entries`) into the segment and training goes on; the checkpoint writer process
+(zero3.checkpoint.writer_process) maps the same segment and writes from it. The
+segment is kept from one save to the next while the state's size holds, so a save
+every step neither allocates nor faults its pages in again. Beside a CUDA device its
+pages are registered with the driver (page-locked), so the device-to-host copies are
+DMA; elsewhere page-locking means nothing and is skipped.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import math
+import os
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import torch
+
+from zero3 import accelerator
+from zero3.checkpoint.chunks import RangeChunks
+
+log = logging.getLogger("zero3")
+
+_ALIGN = 64  # bytes: every entry starts on a cache line (and at any dtype's alignment)
+_NAMES = itertools.count()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One entry of the state in the segment: `numel` values of `dtype` at byte `offset`."""
+
+    key: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # a whole tensor's shape; a RangeChunks' range is flat
+    chunks: tuple[tuple[int, ...], int, int] | None  # a RangeChunks' (global shape, start, end); None: a tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def place(live: dict[str, Any]) -> tuple[list[Placement], int]:
+    """Where each entry of `live` goes in a segment, and the segment's size in bytes."""
+    placements: list[Placement] = []
+    cursor = 0
+    for key, entry in live.items():
+        if isinstance(entry, RangeChunks):
+            placement = Placement(key, cursor, entry.dtype, (entry.end - entry.start,), (entry.shape, entry.start, entry.end))
+        elif isinstance(entry, torch.Tensor):
+            placement = Placement(key, cursor, entry.dtype, tuple(entry.shape), None)
+        else:
+            raise TypeError(f"checkpoint entry {key!r} is a {type(entry).__name__}: expected a tensor or RangeChunks")
+        placements.append(placement)
+        cursor += -(-placement.nbytes // _ALIGN) * _ALIGN
+    return placements, max(cursor, _ALIGN)
+
+
+def views(segment: memoryview, placements: list[Placement]) -> dict[str, Any]:
+    """The state as DCP saves it, every tensor over `segment`'s memory and, unlike a slice, with a storage
+    of its own: DCP copies a tensor whose storage is larger than it before saving it."""
+    state: dict[str, Any] = {}
+    for placed in placements:
+        if placed.chunks is None:
+            state[placed.key] = _own(segment, placed.offset, placed.dtype, placed.numel).view(placed.shape)
+        else:
+            shape, start, end = placed.chunks
+            state[placed.key] = _StagedChunks(shape, placed.dtype, start, end, segment=segment, offset=placed.offset)
+    return state
+
+
+def _own(segment: memoryview, offset: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    return torch.frombuffer(segment, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
+
+
+@dataclass
+class _StagedChunks(RangeChunks):
+    """A parameter's staged range, each of its boxes a tensor with a storage of its own (see `views`)."""
+
+    segment: memoryview | None = None
+    offset: int = 0  # bytes: where the range starts in the segment
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        assert self.segment is not None
+        self.values = _own(self.segment, self.offset, self.dtype, self.end - self.start)
+
+    def box(self, offsets: torch.Size | None) -> tuple[int, torch.Tensor]:
+        cursor, sizes = self._at[tuple(offsets or ())]
+        assert self.segment is not None
+        values = _own(self.segment, self.offset + cursor * self.dtype.itemsize, self.dtype, math.prod(sizes))
+        return cursor, values.view(sizes)
+
+
+def attach(name: str) -> SharedMemory:
+    """Another process's segment, mapped here (the writer's side); the creator alone unlinks it."""
+    segment = SharedMemory(name=name)
+    # Python < 3.13 would unlink it when this process exits, under the creator's feet.
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment
+
+
+def release(segment: SharedMemory, unlink: bool) -> None:
+    """Unmap `segment` (and unlink it, from its creator) once no tensor views it any more."""
+    try:
+        segment.close()
+    except BufferError:  # a view still alive in a reference cycle: collect it, then unmap
+        gc.collect()
+        try:
+            segment.close()
+        except BufferError:
+            log.debug("checkpoint staging: segment %s is still viewed; it is unmapped at exit", segment.name)
+    if unlink:
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class StagingArena:
+    """This rank's staging memory (made on the first async save, remade when the state outgrows it): a
+    shared-memory segment, or, where /dev/shm has no room for it (a container's default is 64 MiB),
+    private memory, which only a writer thread of this process can read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.segment: SharedMemory | None = None
+        self._private: bytearray | None = None
+        self._registered = False  # its pages are registered with the CUDA driver
+        self._told = False  # the fallback to private memory was logged
+
+    @property
+    def shared(self) -> bool:
+        return self.segment is not None
+
+    @property
+    def name(self) -> str:
+        assert self.segment is not None
+        return self.segment.name
+
+    def stage(self, live: dict[str, Any], shared: bool = True) -> tuple[list[Placement], dict[str, Any]]:
+        """Copy every entry of `live` into the staging memory (shared if `shared` and there is room); returns
+        where each went, and the state as tensors over it (for a writer in this process). The copies have
+        landed when this returns, so training may change the originals."""
+        placements, size = place(live)
+        memory = self._memory(size, shared)
+        arena = torch.frombuffer(memory, dtype=torch.uint8)
+        for placed in placements:
+            entry = live[placed.key]
+            if isinstance(entry, RangeChunks):
+                numel = entry.end - entry.start
+                entry = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
+            target = arena[placed.offset : placed.offset + placed.nbytes].view(placed.dtype).view(placed.shape)
+            target.copy_(entry.detach(), non_blocking=self._registered)
+        accelerator.synchronize(self.device)
+        del arena, target
+        return placements, views(memory, placements)
+
+    def _memory(self, size: int, shared: bool) -> memoryview:
+        held = self.segment.buf if self.segment is not None else self._private
+        if held is not None and len(held) >= size and (shared or self.segment is None):
+            return memoryview(held)  # type: ignore[arg-type]
+        self.close()
+        if shared:
+            self.segment = self._shared_segment(size)
+        if self.segment is None:
+            self._private = bytearray(size)
+        memory = memoryview(self.segment.buf if self.segment is not None else self._private)  # type: ignore[arg-type]
+        self._registered = accelerator.register_host_pages(torch.frombuffer(memory, dtype=torch.uint8), self.device)
+        return memory
+
+    def _shared_segment(self, size: int) -> SharedMemory | None:
+        segment = SharedMemory(name=f"zero3-ckpt-{os.getpid()}-{next(_NAMES)}", create=True, size=size)
+        try:
+            # Take the pages now: a tmpfs without room for them would kill the process with SIGBUS at the copy.
+            os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+        except OSError as error:
+            release(segment, unlink=True)
+            if not self._told:
+                log.warning("async saves: /dev/shm has no room for %d MiB of staged state (%s); staging in this "
+                            "process's memory, written by a thread (a container wants a larger --shm-size)",
+                            size >> 20, error.strerror or error)
+                self._told = True
+            return None
+        return segment
+
+    def close(self) -> None:
+        """Free the staging memory (a writer still mapping the segment keeps its pages until it lets go)."""
+        if self._registered:
+            held = self.segment.buf if self.segment is not None else self._private
+            accelerator.unregister_host_pages(torch.frombuffer(held, dtype=torch.uint8), self.device)  # type: ignore[arg-type]
+            self._registered = False
+        if self.segment is not None:
+            release(self.segment, unlink=True)
+            self.segment = None
+        self._private = None
