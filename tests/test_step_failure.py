@@ -23,8 +23,8 @@ from zero3.offload import disk as disk_io
 STEPS, BAD_STEP, FAILING_RANK = 4, 2, 1
 
 
-def config(zero: dict, optimizer: str = "AdamW") -> dict:
-    return {
+def config(zero: dict, optimizer: str = "AdamW", top_level: dict | None = None) -> dict:
+    return {**(top_level or {}),
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 1.0,
         "optimizer": {"type": optimizer, "params": {"lr": 1e-2}},
@@ -37,6 +37,7 @@ def tier(root: str, name: str) -> dict:
     nvme = {"device": "nvme", "nvme_path": root}
     return {
         "memory": {},
+        "bf16_grads": {},
         "muon": {},
         "optimizer_nvme": {"offload_optimizer": {**nvme, "buffer_count": 2}},
         "params_nvme": {"offload_param": {**nvme, "max_in_cpu": 0, "buffer_count": 2}},
@@ -100,7 +101,10 @@ def run(rank: int, world: int, root: str, tier_name: str, fault: str | None, ski
     torch.manual_seed(0)
     model = models.MLP()
     optimizer = "Muon" if tier_name == "muon" else "AdamW"
-    engine = zero3.initialize(model=model, config=config(tier(root, tier_name), optimizer))[0]
+    # fp32 gradients in memory are stepped in place (ZeroOptimizer.grads_in_place): the step takes working
+    # memory for its fp32 gradients where they are accumulated in another dtype.
+    top_level = {"data_types": {"grad_accum_dtype": "bf16"}} if tier_name == "bf16_grads" else None
+    engine = zero3.initialize(model=model, config=config(tier(root, tier_name), optimizer, top_level))[0]
     seen: list[tuple[str, str, Any] | None] = []
     after_failure: str | None = None
     for step, (x, y) in enumerate(models.batches("x8", STEPS, 2 * world)):
@@ -136,7 +140,7 @@ def run(rank: int, world: int, root: str, tier_name: str, fault: str | None, ski
 
 
 CASES = [  # (tier, fault, whether the step lands everywhere)
-    ("memory", "step memory", False),
+    ("bf16_grads", "step memory", False),
     ("optimizer_nvme", "disk", False),
     ("params_nvme", "disk", True),
     ("memory", "update", False),

@@ -221,7 +221,8 @@ def build(
     if spec is not None:
         assert grads is not None and state_layout is not None
         sub_group_size = zc.sub_group_size
-        if zc.offload_optimizer.device == OffloadDevice.none:
+        steps_on_its_grads = config.grad_accum_dtype == torch.float32 and spec.muon is None  # ZeroOptimizer.grads_in_place
+        if zc.offload_optimizer.device == OffloadDevice.none and not steps_on_its_grads:
             # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
             # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
             scratch_bytes = reducer.scratch_numel() * reducer.dtype.itemsize

@@ -232,6 +232,13 @@ class ZeroOptimizer:
             self._set_up_muon(groups, matrix_bucket_numel)
         self._lp_on_disk = False
         self.link_lp()
+        # fp32 gradients on the step's device, in memory states: the sub-groups step on views of them, scaled
+        # in place (zero_grad clears them after the step), instead of on an fp32 copy. Not where a failed step
+        # can be retried (a transactional tier keeps the gradients for it) or Muon's exchange reads them.
+        self.grads_in_place = (
+            self.lp_grads.tensor.dtype == torch.float32 and self.lp_grads.tensor.device == self.step_device
+            and not self.states.transactional and self.exchange is None
+        )
 
     def link_lp(self) -> None:
         """Where the step writes each sub-group's new 16-bit shards: the parameters' slots now (none for a
@@ -430,7 +437,7 @@ class ZeroOptimizer:
             self.repair_lp()
             # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
             # out-of-memory here is a step no rank applies.
-            work = self._fp32_grads(self.largest_sub_group, self.step_device)
+            work = self.lp_grads.tensor if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             failure = error
         scale = self.loss_scaler.loss_scale
@@ -506,7 +513,8 @@ class ZeroOptimizer:
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
-            self._step_sub_group(sub, window, coefficient, found_inf, work[: sub.numel])
+            grad = self.lp_grads.view(sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
+            self._step_sub_group(sub, window, coefficient, found_inf, grad)
             if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
 
@@ -581,8 +589,10 @@ class ZeroOptimizer:
         found_inf: torch.Tensor | None, grad: torch.Tensor,
     ) -> None:
         # This sub-group's fp32 gradients, made in `grad` from the 16-bit ones (never stored): the step's
-        # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults).
-        grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
+        # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults); or,
+        # with `grads_in_place`, `grad` is the reduced gradients themselves.
+        if not self.grads_in_place:
+            grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient is not None:
             grad.mul_(coefficient)
         if not self._views_bound:
