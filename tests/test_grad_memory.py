@@ -134,3 +134,31 @@ def test_each_reduction_is_waited_on_by_one_thread() -> None:
     for waits in run_ranks(2, count_waits):
         assert len(waits) > 4
         assert all(len(calls) == 1 for calls in waits), waits
+
+
+def in_place_or_copied(rank: int, world: int) -> dict:
+    out = {}
+    for name, extra in (("fp32", {}), ("bf16 gradients", {"data_types": {"grad_accum_dtype": "bf16"}})):
+        torch.manual_seed(0)
+        model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=3)
+        config = {**cfg(BUCKET), "bf16": {"enabled": False}, **extra}
+        engine = zero3.initialize(model=model, config=config)[0]
+        taken: list[int] = []
+        take = engine.optimizer._fp32_grads
+        engine.optimizer._fp32_grads = lambda numel, device: taken.append(numel) or take(numel, device)
+        x, y = models.batches("tokens", 1, 4 * world, seed=0)[0]
+        engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+        engine.step()
+        out[name] = {"in_place": engine.optimizer.grads_in_place, "sub_groups": len(engine.optimizer.sub_groups),
+                     "taken": taken}
+        engine.destroy()
+    return out
+
+
+def test_fp32_gradients_are_stepped_in_place_in_one_sub_group_other_dtypes_through_an_fp32_copy() -> None:
+    # The bucket (20k elements) is smaller than the model: it capped the sub-groups when every step copied
+    # its fp32 gradients into the idle bucket; stepping on the fp32 gradients themselves needs no bucket.
+    for result in run_ranks(2, in_place_or_copied):
+        assert result["fp32"] == {"in_place": True, "sub_groups": 1, "taken": []}, result
+        copied = result["bf16 gradients"]
+        assert not copied["in_place"] and copied["sub_groups"] > 1 and len(copied["taken"]) == 1, result
