@@ -2,7 +2,8 @@
 bit-identical to `iter_full_params` over shared memory, at 1 and 2 training ranks, fp32 and bf16, from a
 resident engine, a parked one and one with its parameters on disk, twice (training in between); a module in
 the same process gets them through `load_into`, tied weights once, and a name that does not fit is refused on
-every rank before anything is gathered."""
+every rank before anything is gathered; a Hugging Face model loaded that way generates the same tokens as one
+loaded from `save_16bit_model`'s files."""
 
 from __future__ import annotations
 
@@ -190,3 +191,45 @@ def test_load_into_a_module_in_process(tmp_path: Path) -> None:
         assert out["none"] == (total if rank == 0 else 0)
         assert "position" in out["refused"] and out["untouched"], out
         assert out["partial"] == total - 1
+
+
+def generated_both_ways(rank: int, world: int, root: str) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    trained = LlamaForCausalLM(config)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine = zero3.initialize(model=trained, config=cfg)[0]
+    batch = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(3))
+    mine = batch.chunk(world)[rank]
+    for _ in range(3):
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+    # The generator: a model of its own in this process (rank 0's), in the training dtype.
+    generator = LlamaForCausalLM(config).to(torch.bfloat16).eval() if rank == 0 else None
+    copied = zero3.weights.load_into(engine, generator, bucket_bytes=4000)
+    engine.save_16bit_model(os.path.join(root, "saved"))
+    if rank == 0:
+        config.save_pretrained(os.path.join(root, "saved"))
+    engine.comm.barrier()
+    engine.destroy()
+    if generator is None:
+        return {}
+    loaded = LlamaForCausalLM.from_pretrained(os.path.join(root, "saved"), dtype=torch.bfloat16).eval()
+    prompt = batch[:2, :5]
+    tokens = [model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0) for model in (generator, loaded)]
+    weights_equal = all(torch.equal(a, b) for a, b in zip(generator.state_dict().values(), loaded.state_dict().values()))
+    return {"copied": copied, "tokens": tokens, "weights_equal": weights_equal,
+            "tied": generator.lm_head.weight is generator.model.embed_tokens.weight}
+
+
+def test_a_hugging_face_model_loaded_in_process_generates_what_save_16bit_model_gives(tmp_path: Path) -> None:
+    result = run_ranks(2, generated_both_ways, str(tmp_path))[0]
+    assert result["tied"] and result["weights_equal"], result
+    in_process, from_files = result["tokens"]
+    assert in_process.shape == (2, 5 + 24) and torch.equal(in_process, from_files)
