@@ -56,6 +56,11 @@ def writers() -> list[int]:
     return children_of(os.getpid(), WRITER)
 
 
+def segments() -> list[str]:
+    """This process's staging segments in /dev/shm."""
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"zero3-ckpt-{os.getpid()}-"))
+
+
 def saved_by_a_writer(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(0)
     engine = zero3.initialize(model=models.TiedTransformer(), config=CONFIG)[0]
@@ -63,8 +68,9 @@ def saved_by_a_writer(rank: int, world: int, root: str) -> dict:
     engine.save_checkpoint(root, tag="blocking")
     engine.save_checkpoint(root, tag="async", async_save=True)
     during = writers()
+    staged = segments()
     engine.wait_for_checkpoint()
-    out = {"writers": during}
+    out = {"writers": during, "staged": staged, "staged_after": segments()}
     if rank == 1:
         os.kill(during[0], signal.SIGKILL)  # one rank's writer dies between saves
         while writers():
@@ -90,6 +96,8 @@ def test_an_async_save_is_the_blocking_saves_bytes_written_by_a_process_replaced
         assert len(result["writers"]) == 1, result  # a writer of its own per rank
         assert len(result["replaced"]) == 1, result
         assert result["restored"] and result["after_destroy"] == []
+        # An occasional save's staging memory is freed once it is written (automatic checkpoints keep it).
+        assert len(result["staged"]) == 1 and result["staged_after"] == [], result
     assert results[0]["replaced"] != results[0]["writers"]  # rank 0's live writer was replaced too (a new group)
     assert same_tags(tmp_path / "async", tmp_path / "blocking", tmp_path)
 

@@ -30,9 +30,12 @@ _RUNNING, _NEEDED, _UNAVAILABLE = "running", "needed", "unavailable"
 
 
 class AsyncSaves:
-    def __init__(self, comm: Communicator, device: torch.device, rank: int) -> None:
+    def __init__(self, comm: Communicator, device: torch.device, rank: int, periodic: bool) -> None:
         self._comm = comm
         self._rank = rank  # in the job
+        # Saves that come back every few steps (automatic checkpoints) keep the staging memory from one to the
+        # next; an occasional save frees it once written (at the next wait), as a host copy of the state is large.
+        self._periodic = periodic
         self._arena = StagingArena(device)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Any] | None = None
@@ -51,7 +54,7 @@ class AsyncSaves:
             group = CommGroup(self._comm, self._comm.checkpoint_group())
             return self._thread().submit(write.run, group, staged)
         del staged  # the writer maps the segment itself
-        request = WriteRequest(write, self._arena.name, placements)
+        request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic)
         return self._thread().submit(writer.write, request)
 
     def track(self, written: Future[Any] | Path) -> None:
@@ -62,8 +65,13 @@ class AsyncSaves:
     def wait(self) -> None:
         """Wait for a save still writing; raises its error, if it failed."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:
+            if not self._periodic:
+                self._arena.close()
 
     def close(self) -> BaseException | None:
         """Wait for the last save, stop the writer and free the staging memory; returns the save's error

@@ -2,9 +2,10 @@
 
 An async save copies every entry of the rank's state (zero3.checkpoint.state's
 `entries`) into the segment and training goes on; the checkpoint writer process
-(zero3.checkpoint.writer_process) maps the same segment and writes from it. The
-segment is kept from one save to the next while the state's size holds, so a save
-every step neither allocates nor faults its pages in again. Beside a CUDA device its
+(zero3.checkpoint.writer_process) maps the same segment and writes from it. For
+automatic checkpoints the segment is kept from one save to the next while the state's
+size holds, so a save every few steps neither allocates nor faults its pages in again;
+an occasional save's is freed once written (zero3.checkpoint.async_saves). Beside a CUDA device its
 pages are registered with the driver (page-locked), so the device-to-host copies are
 DMA; elsewhere page-locking means nothing and is skipped.
 """
@@ -164,7 +165,6 @@ class StagingArena:
             target = arena[placed.offset : placed.offset + placed.nbytes].view(placed.dtype).view(placed.shape)
             target.copy_(entry.detach(), non_blocking=self._registered)
         accelerator.synchronize(self.device)
-        del arena, target
         return placements, views(memory, placements)
 
     def _memory(self, size: int, shared: bool) -> memoryview:

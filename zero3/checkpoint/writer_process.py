@@ -75,6 +75,7 @@ class WriteRequest:
     write: Any  # zero3.checkpoint.state.Write
     segment: str  # the staging segment's name
     placements: list[Placement]
+    keep_mapped: bool  # the next save stages into the same segment: keep it mapped, else let it go once written
 
 
 def job_store_address() -> tuple[str, int] | None:
@@ -217,13 +218,16 @@ def serve(conn: Connection) -> int:
                     release(segment, unlink=False)
                 segment = attach(request.segment)
             try:
-                path = request.write.run(group, views(segment.buf, request.placements))
-                conn.send_bytes(pickle.dumps(("written", str(path))))
+                reply: tuple[str, Any] = ("written", str(request.write.run(group, views(segment.buf, request.placements))))
             except CheckpointError as error:  # agreed by every writer: the group is whole, go on
-                conn.send_bytes(pickle.dumps(("failed", error)))
+                reply = ("failed", error)
             except BaseException as error:  # noqa: BLE001 - a collective broke: this generation is over
                 conn.send_bytes(pickle.dumps(("failed", _portable(error))))
                 return 1
+            if not request.keep_mapped:
+                release(segment, unlink=False)
+                segment = None
+            conn.send_bytes(pickle.dumps(reply))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -129,7 +129,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._last_step_applied = True
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's answer
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
-        self.saves = AsyncSaves(comm, device, self.global_rank)
+        self.saves = AsyncSaves(comm, device, self.global_rank, periodic=config.checkpoint.automatic)
         self.client_state: Any = None
         self._checkpoint_states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
