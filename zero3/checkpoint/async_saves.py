@@ -81,9 +81,7 @@ class AsyncSaves:
             self.wait()
         except Exception as failure:  # noqa: BLE001 - handed back to the caller
             error = failure
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            self._thread().submit(writer.close).result()  # from the thread that started it
+        self._stop_writer()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -121,6 +119,7 @@ class AsyncSaves:
         return self._writer
 
     def _stop_writer(self) -> None:
+        """Stop this rank's writer, from the thread that started it (its PR_SET_PDEATHSIG follows that thread)."""
         if self._writer is not None:
             writer, self._writer = self._writer, None
             self._thread().submit(writer.close).result()

@@ -12,13 +12,10 @@ DMA; elsewhere page-locking means nothing and is skipped.
 
 from __future__ import annotations
 
-import gc
-import itertools
 import logging
 import math
 import os
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -26,11 +23,11 @@ import torch
 
 from zero3 import accelerator
 from zero3.checkpoint.chunks import RangeChunks
+from zero3.shared_segments import create, release
 
 log = logging.getLogger("zero3")
 
 _ALIGN = 64  # bytes: every entry starts on a cache line (and at any dtype's alignment)
-_NAMES = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -104,31 +101,6 @@ class _StagedChunks(RangeChunks):
         return cursor, values.view(sizes)
 
 
-def attach(name: str) -> SharedMemory:
-    """Another process's segment, mapped here (the writer's side); the creator alone unlinks it."""
-    segment = SharedMemory(name=name)
-    # Python < 3.13 would unlink it when this process exits, under the creator's feet.
-    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    return segment
-
-
-def release(segment: SharedMemory, unlink: bool) -> None:
-    """Unmap `segment` (and unlink it, from its creator) once no tensor views it any more."""
-    try:
-        segment.close()
-    except BufferError:  # a view still alive in a reference cycle: collect it, then unmap
-        gc.collect()
-        try:
-            segment.close()
-        except BufferError:
-            log.debug("checkpoint staging: segment %s is still viewed; it is unmapped at exit", segment.name)
-    if unlink:
-        try:
-            segment.unlink()
-        except FileNotFoundError:
-            pass
-
-
 class StagingArena:
     """This rank's staging memory (made on the first async save, remade when the state outgrows it): a
     shared-memory segment, or, where /dev/shm has no room for it (a container's default is 64 MiB),
@@ -167,21 +139,28 @@ class StagingArena:
         accelerator.synchronize(self.device)
         return placements, views(memory, placements)
 
+    def _held(self) -> memoryview | None:
+        """The staging memory held now (shared or private), if any."""
+        if self.segment is not None:
+            return self.segment.buf
+        return memoryview(self._private) if self._private is not None else None
+
     def _memory(self, size: int, shared: bool) -> memoryview:
-        held = self.segment.buf if self.segment is not None else self._private
+        held = self._held()
         if held is not None and len(held) >= size and (shared or self.segment is None):
-            return memoryview(held)  # type: ignore[arg-type]
+            return held
         self.close()
         if shared:
             self.segment = self._shared_segment(size)
         if self.segment is None:
             self._private = bytearray(size)
-        memory = memoryview(self.segment.buf if self.segment is not None else self._private)  # type: ignore[arg-type]
+        memory = self._held()
+        assert memory is not None
         self._registered = accelerator.register_host_pages(torch.frombuffer(memory, dtype=torch.uint8), self.device)
         return memory
 
     def _shared_segment(self, size: int) -> SharedMemory | None:
-        segment = SharedMemory(name=f"zero3-ckpt-{os.getpid()}-{next(_NAMES)}", create=True, size=size)
+        segment = create("ckpt", size)
         try:
             # Take the pages now: a tmpfs without room for them would kill the process with SIGBUS at the copy.
             os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
@@ -197,10 +176,11 @@ class StagingArena:
 
     def close(self) -> None:
         """Free the staging memory (a writer still mapping the segment keeps its pages until it lets go)."""
-        if self._registered:
-            held = self.segment.buf if self.segment is not None else self._private
-            accelerator.unregister_host_pages(torch.frombuffer(held, dtype=torch.uint8), self.device)  # type: ignore[arg-type]
+        held = self._held()
+        if self._registered and held is not None:
+            accelerator.unregister_host_pages(torch.frombuffer(held, dtype=torch.uint8), self.device)
             self._registered = False
+        del held  # no view may outlive the mapping
         if self.segment is not None:
             release(self.segment, unlink=True)
             self.segment = None

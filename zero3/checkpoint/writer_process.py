@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.serialization.config as torch_serialization_config
 
-from zero3.checkpoint.staging import Placement, attach, release, views
+from zero3.checkpoint.staging import Placement, views
+from zero3.shared_segments import attach, release
 from zero3.checkpoint.tags import CheckpointError
 
 log = logging.getLogger("zero3")

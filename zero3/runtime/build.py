@@ -52,7 +52,7 @@ from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
-from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.runtime.optimizer import ZeroOptimizer, steps_on_its_gradients
 from zero3.step_protocol import Owed, StepProtocol
 
 log = logging.getLogger("zero3")
@@ -221,8 +221,8 @@ def build(
     if spec is not None:
         assert grads is not None and state_layout is not None
         sub_group_size = zc.sub_group_size
-        steps_on_its_grads = config.grad_accum_dtype == torch.float32 and spec.muon is None  # ZeroOptimizer.grads_in_place
-        if zc.offload_optimizer.device == OffloadDevice.none and not steps_on_its_grads:
+        in_memory = zc.offload_optimizer.device == OffloadDevice.none  # the states on the device: not transactional
+        if in_memory and not steps_on_its_gradients(grads.buffer.tensor, device, False, muon=spec.muon is not None):
             # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
             # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
             scratch_bytes = reducer.scratch_numel() * reducer.dtype.itemsize

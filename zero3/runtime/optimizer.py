@@ -232,13 +232,8 @@ class ZeroOptimizer:
             self._set_up_muon(groups, matrix_bucket_numel)
         self._lp_on_disk = False
         self.link_lp()
-        # fp32 gradients on the step's device, in memory states: the sub-groups step on views of them, scaled
-        # in place (zero_grad clears them after the step), instead of on an fp32 copy. Not where a failed step
-        # can be retried (a transactional tier keeps the gradients for it) or Muon's exchange reads them.
-        self.grads_in_place = (
-            self.lp_grads.tensor.dtype == torch.float32 and self.lp_grads.tensor.device == self.step_device
-            and not self.states.transactional and self.exchange is None
-        )
+        self.grads_in_place = steps_on_its_gradients(self.lp_grads.tensor, self.step_device, self.states.transactional,
+                                                     muon=self.exchange is not None)
 
     def link_lp(self) -> None:
         """Where the step writes each sub-group's new 16-bit shards: the parameters' slots now (none for a
@@ -754,6 +749,14 @@ class ZeroOptimizer:
 
 
 NORM_CHUNK = 1 << 20
+
+
+def steps_on_its_gradients(grads: torch.Tensor, step_device: torch.device, transactional: bool, muon: bool) -> bool:
+    """Whether the step runs on views of the reduced gradients `grads`, scaled in place (zero_grad clears them
+    after the step), instead of on an fp32 copy of each sub-group's: where they are fp32 on the step's device.
+    Not where a failed step can be retried (a transactional tier keeps the gradients for it) or Muon's
+    exchange reads them."""
+    return grads.dtype == torch.float32 and grads.device == step_device and not transactional and not muon
 
 
 def _check_shard_is_master(sp: ShardedParam, step_device: torch.device) -> None:

@@ -18,20 +18,17 @@ JSON: no pickle, no code.
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import socket
 from collections.abc import Iterator
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection, Listener
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import torch
 
+from zero3.shared_segments import attach, create
 from zero3.weights.wire import DEFAULT_BUCKET_BYTES, NameMap, header, raw_bytes, views
-_NAMES = itertools.count()
 
 
 def _no_delay(conn: Connection) -> Connection:
@@ -125,7 +122,7 @@ class SharedMemorySender:
                 segment.close()
                 segment.unlink()
             size = max(nbytes, self.bucket_bytes)  # every bucket but a lone larger parameter fits: made once
-            segment = SharedMemory(name=f"zero3-weights-{os.getpid()}-{next(_NAMES)}", create=True, size=size)
+            segment = create("weights", size)
             self._segments[slot] = segment
         return segment
 
@@ -180,9 +177,7 @@ class SharedMemoryReceiver:
     def _attach(self, name: str) -> SharedMemory:
         segment = self._attached.get(name)
         if segment is None:
-            segment = SharedMemory(name=name)
-            # The sender owns the segment: this process must not unlink it at exit (Python < 3.13 would).
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+            segment = attach(name)
             self._attached[name] = segment
         return segment
 
