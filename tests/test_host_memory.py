@@ -94,9 +94,12 @@ def test_droppable_zeros_are_zeroed_by_dropping_their_pages() -> None:
     assert zeros.tensor[4:10].tolist() == [0.0, 2.0, 2.0, 2.0, 2.0, 0.0]
 
 
-def gradient_residency(rank: int, world: int) -> dict:
+def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
     import zero3
     from tests import models
+    from zero3.runtime import grad_shards
+
+    grad_shards.DROP_PAGES_FROM_BYTES = drop_from_bytes  # this model's shards are 6 MiB (3 at 2 ranks)
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -118,13 +121,23 @@ def gradient_residency(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_gradient_shards_are_resident_only_from_backward_to_step(world: int) -> None:
-    """lp_grads (in host memory) holds no resident page after a step until the next backward fills it
-    again; between the micro-steps of an accumulation it keeps its pages (they hold the sum so far)."""
-    for seen in run_ranks(world, gradient_residency):
+    """lp_grads (in host memory, at least DROP_PAGES_FROM_BYTES) holds no resident page after a step until
+    the next backward fills it again; between the micro-steps of an accumulation it keeps its pages (they
+    hold the sum so far)."""
+    for seen in run_ranks(world, gradient_residency, 1 << 20):
         assert seen["built"] == 0.0, seen
         for micro in range(4):
             assert seen[f"backward {micro}"] > 0.9, seen
             assert seen[f"step {micro}"] == (0.0 if micro % 2 == 1 else seen[f"backward {micro}"]), seen
+
+
+def test_small_gradient_shards_are_zeroed_in_place() -> None:
+    """Under DROP_PAGES_FROM_BYTES lp_grads is written with zeros, not handed back: its pages stay resident
+    from step to step (a returning page costs a fault at every gradient), and it still starts each
+    accumulation at zero (the losses and masters are the suite's reference tests')."""
+    seen = run_ranks(2, gradient_residency, 64 << 20)[0]
+    assert seen["built"] == 1.0, seen  # torch.zeros wrote it
+    assert all(seen[f"step {micro}"] == 1.0 for micro in range(4)), seen
 
 
 # ---- the heap a backward frees goes back to the OS as the gradient shards fill ------------------------------

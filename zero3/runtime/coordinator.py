@@ -60,6 +60,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zero3.comm import Communicator
+from zero3.partition import param_dict
 from zero3.topology import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.secondary import SecondaryShards
@@ -192,6 +193,17 @@ class ParamCoordinator:
             self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
         # Registered last so it runs after the root module's own post-forward hook.
         self._handles.append(self.module.register_forward_hook(self._root_post_forward, always_call=True))
+        # A module none of whose parameters a read can gather (each is in the persistent unit, or in no
+        # unit) has nothing to report: its `_parameters` goes back to a plain dict, read without a call
+        # into Python (a small model's forward reads each parameter through it).
+        for module in self.module.modules():
+            if all(self._reads_gather_nothing(param) for param in module._parameters.values()):
+                param_dict.uninstall(module)
+
+    def _reads_gather_nothing(self, param: nn.Parameter | None) -> bool:
+        sp = sharded(param) if param is not None else None
+        unit = self._unit_of.get(sp) if sp is not None else None
+        return unit is None or unit.persistent
 
     def remove(self) -> None:
         self.keeper.stop()

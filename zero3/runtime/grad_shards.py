@@ -6,11 +6,17 @@ order, and which parameters got a gradient since the last step. The reducer
 adds landed shards into it, the optimizer steps from it and zeroes it; the
 engine builds it and hands it to both, so neither reaches into the other.
 
-In host memory the buffer is zeroed by dropping its pages (`DroppableZeros`),
+In host memory a large buffer is zeroed by dropping its pages (`DroppableZeros`),
 not by writing zeros: from a step to the next backward's gradients it holds
 no resident memory, as FSDP2's gradients (freed by `zero_grad`) hold none,
 and the forward's activations, the largest part of a step's peak, do not
 come on top of it. Its pages return as the gradients land.
+
+Each returning page costs a fault (a read maps the zero page, the first add
+copies it): about 0.7 ms per MiB on the AMD EPYC of docs/benchmarks.md, where
+writing zeros costs 0.1. A buffer under `DROP_PAGES_FROM_BYTES` is zeroed by
+writing: its memory is small beside the step's peak, and the faults were a
+sixth of the 16 x 64 stand-in's step (benchmarks/step_time.py).
 """
 
 from __future__ import annotations
@@ -26,13 +32,16 @@ from zero3.partition.sharded_param import ShardedParam
 # Each parameter's gradient shards, for the per-parameter accessors (zero3.safe_get_local_grad).
 _OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyDictionary()
 
+DROP_PAGES_FROM_BYTES = 64 << 20  # a host buffer at least this large is zeroed by dropping its pages
+
 
 class GradShards:
     def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> None:
         self.params = params
         numel = sum(sp.shard_numel for sp in params)
-        # In host memory, zeroed by dropping its pages (see the module's doc); until it moves.
-        self._droppable: DroppableZeros | None = DroppableZeros(numel, dtype) if device.type == "cpu" else None
+        # In host memory and large, zeroed by dropping its pages (see the module's doc); until it moves.
+        droppable = device.type == "cpu" and numel * dtype.itemsize >= DROP_PAGES_FROM_BYTES
+        self._droppable: DroppableZeros | None = DroppableZeros(numel, dtype) if droppable else None
         tensor = self._droppable.tensor if self._droppable is not None else torch.zeros(numel, dtype=dtype, device=device)
         self.buffer = FlatBuffer("lp_grads", tensor)
         self.slots: dict[ShardedParam, Slot] = {}
