@@ -142,6 +142,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     grads = GradShards.of(sp)
     if grads is None:
         return
+    master_slots(sp)  # (undoes the backward's early steps, which used the gradients as they were)
     grads.view(sp).copy_(_local_value(sp, value, "safe_set_local_grad"))
     grads.mark_arrived(sp)
 
@@ -186,6 +187,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     shard, and a copy gathered now takes the value (for a frozen parameter, the 16-bit copies)."""
     sp = require_sharded(param, "safe_set_full_fp32_param")
     full = _full_value(sp, value, "safe_set_full_fp32_param")
+    master_slots(sp)  # (undoes the backward's early steps before the master changes)
     _refuse_parked([sp.lp_slot, *sp.followers], "safe_set_full_fp32_param")
     sp.write_full(full.float())
     unit = unit_of(sp)
@@ -209,6 +211,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     grads = GradShards.of(sp)
     if grads is None:
         return
+    master_slots(sp)  # (undoes the backward's early steps, which used the gradients as they were)
     grads.view(sp).copy_(sp.shard_of(_full_value(sp, value, "safe_set_full_grad")))
     grads.mark_arrived(sp)
 

@@ -522,6 +522,11 @@ class OffloadOptimizerConfig(_OffloadBase):
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
+    # DeepSpeed's SuperOffload switch: the host step of each sub-group begins during the backward, as its
+    # gradients land, and is kept or undone exactly at the step (zero3.runtime.early_step).
+    super_offload: bool = False
+    # DeepSpeed's share of the host's cores for its CPU Adam under SuperOffload (torch's threads step here).
+    cpuadam_cores_perc: float = Field(default=0.8, gt=0, le=1)
 
 
 def _none_as_empty(value: Any) -> Any:
@@ -713,6 +718,14 @@ class ZeroConfig(_Model):
             raise _KeyedError(("lean_memory", "offload_param.device"),
                               "lean_memory keeps no 16-bit shards for offload_param to page out; use one or the "
                               "other", (True, self.offload_param.device))
+        if self.offload_optimizer.super_offload and self.offload_optimizer.device != "cpu":
+            raise _KeyedError(("offload_optimizer.super_offload", "offload_optimizer.device"),
+                              "super_offload steps the optimizer on the host during the backward: it needs "
+                              "offload_optimizer.device 'cpu'", (True, self.offload_optimizer.device))
+        if self.offload_optimizer.super_offload and self.lean_memory:
+            raise _KeyedError(("offload_optimizer.super_offload", "lean_memory"),
+                              "lean_memory casts the backward's gathers from the fp32 masters, which super_offload "
+                              "steps during that backward; use one or the other", (True, True))
         if self.lean_memory and self.offload_optimizer.device == "nvme":
             raise _KeyedError(("lean_memory", "offload_optimizer.device"),
                               "lean_memory casts each gather from the fp32 masters, which offload_optimizer.device="
@@ -992,6 +1005,12 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.offload_optimizer.pipeline_write": (
         "no effect", "writes of the last sub-groups always overlap the step"),
     "zero_optimization.offload_optimizer.fast_init": ("no effect", "the tier's files are reserved at build"),
+    "zero_optimization.offload_optimizer.super_offload": (
+        "implemented", "with `cpu`: each sub-group's host step begins during the backward, as its gradients land, "
+        "and is kept or undone at the step, so training is bit-identical to the step after the backward "
+        "(docs/offload.md#the-overlapped-host-step); not with Muon or `lean_memory`"),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (
+        "no effect", "the host step runs on torch's threads (`torch.set_num_threads`)"),
     "zero_optimization.leaf_module.classes": (
         "implemented", "class names (`Block` or `pkg.module.Block`) whose modules are leaves"),
     "zero_optimization.leaf_module.names": ("implemented", "`named_modules()` names of leaf modules"),

@@ -199,6 +199,12 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if scale_wrt_gas:
             factor /= self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
+        early = self.optimizer.early
+        if early is not None:
+            if self.is_gradient_accumulation_boundary():
+                early.arm(self.loss_scaler.loss_scale)  # the host step begins as gradients land (early_step)
+            else:
+                early.undo("a backward that does not end at the step")
         with self.timers.phase("backward"):
             self.parts.backward.begin()
             try:
@@ -208,6 +214,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
                 self.parts.backward.finish(failure)
                 raise
             self.parts.backward.finish()
+        if early is not None:
+            early.backward_ended()
         self.protocol.returned(Owed.STEP if self.is_gradient_accumulation_boundary() else Owed.FORWARD)
         return loss
 

@@ -404,6 +404,8 @@ class CheckpointMethods:
 
     def _checkpointed(self, saving: bool = False) -> checkpoint_state.CheckpointedEngine:
         checkpoint_state = _state()
+        if self.optimizer is not None:  # a save or load between a backward and its step sees no early step
+            self.optimizer.undo_early_steps("a checkpoint was saved or loaded")
         return checkpoint_state.CheckpointedEngine(
             module=self.module, comm=self.comm, protocol=self.protocol, rank=self.global_rank, world_size=self.world_size,
             compute_dtype=self.compute_dtype, device=self.device, sharded_params=self.parts.sharded_params,

@@ -107,6 +107,8 @@ class OffloadMethods:
     def _prepare_offload(self, states: set[OffloadStateType]) -> None:
         """Let go of every view of the states about to move (see zero3.offload.manager's Note)."""
         parts = self.parts
+        if parts.optimizer is not None:
+            parts.optimizer.undo_early_steps("offload_states moved the state")
         parts.backward.finish()
         parts.coordinator.release_all()
         self.comm.settle()  # collectives' aliases would keep released memory (the scratch bucket) resident

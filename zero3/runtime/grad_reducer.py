@@ -60,7 +60,7 @@ the shard is already in host memory and is added as it lands.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -187,6 +187,10 @@ class GradientReducer:
         self.fresh_buffers = 0  # buckets that found no free slot (see the Note), over the engine's life
         # On the CPU: the heap the backward frees goes back to the OS as gradients land (zero3.runtime.host_heap).
         self.heap_return = FreedHeapReturn(device)
+        # Told of each landed shard's parameters, and of a late round (the overlapped host step:
+        # zero3.runtime.early_step).
+        self.on_landed: Callable[[list[ShardedParam]], None] | None = None
+        self.on_late_round: Callable[[], None] | None = None
 
     def _cut(self, params: list[ShardedParam]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
@@ -339,6 +343,8 @@ class GradientReducer:
             self._next += 1
         self._land_all()
         if any_rank_late:
+            if self.on_late_round is not None:
+                self.on_late_round()
             late, self._late = self._late, []
             self._storage = [None] * len(self.buckets)
             self._placed = [[False] * len(b.params) for b in self.buckets]
@@ -477,6 +483,8 @@ class GradientReducer:
         torch._foreach_add_(destinations, list(sources), alpha=self.post_scale)
         if destinations:
             self.heap_return.landed(output.numel() * destinations[0].element_size())  # the sources split it whole
+        if self.on_landed is not None:
+            self.on_landed(params)
 
     def _copy_to_host(self, reduction: _Reduction) -> None:
         """Start the shard's copy to pinned host memory on the side stream; it is added when it arrives."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from zero3.optim import spec as optimizer_spec
 from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.early_step import EarlySteps
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
@@ -89,12 +91,16 @@ _MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKey
 
 
 def master_slots(sp: ShardedParam) -> MasterSlots | None:
-    """The master and moments of `sp` in the optimizer that steps it; None if none does."""
-    return _MASTERS.get(sp)
+    """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
+    outside the step (the accessors): the step's early part is undone first (zero3.runtime.early_step)."""
+    slots = _MASTERS.get(sp)
+    if slots is not None:
+        slots.owner.undo_early_steps("an accessor read or wrote the optimizer's state")
+    return slots
 
 
 @dataclass
-class _ScalarSnapshot:
+class ScalarSnapshot:
     """Pieces without state (`fresh`), and the others' scalar state: 0-dim tensors stacked per name,
     anything else (`loose`) copied one by one."""
 
@@ -113,6 +119,11 @@ class SubGroup:
     muon: bool = False  # its matrices step with Muon (zero3.optim.muon)
     # Its pieces' runs in the 16-bit shard buffers: (buffer, offset there, offset here, elements).
     lp_runs: list[tuple[FlatBuffer, int, int, int]] = field(default_factory=list)
+
+    @cached_property
+    def piece_numels(self) -> list[int]:
+        """Each piece's elements, in order: how its gradients are cut, in one `split`, at every step."""
+        return [piece.numel for piece in self.pieces]
 
 
 class ZeroOptimizer:
@@ -234,6 +245,22 @@ class ZeroOptimizer:
         self.link_lp()
         self.grads_in_place = steps_on_its_gradients(self.lp_grads.tensor, self.step_device, self.states.transactional,
                                                      muon=self.exchange is not None)
+        # ZeRO-Offload's step begun during the backward (zero3.runtime.early_step), where the engine asks.
+        self.early: EarlySteps | None = None
+
+    def overlap_host_step(self) -> EarlySteps:
+        """Step each sub-group on a host thread as its gradients land (see zero3.runtime.early_step's Note)."""
+        if self.states.transactional or self.exchange is not None or self.step_device.type != "cpu":
+            raise ValueError("the overlapped host step needs the optimizer state in host memory (offload_optimizer "
+                             "device 'cpu') and an elementwise optimizer (not Muon)")
+        if self.early is None:
+            self.early = EarlySteps(self)
+        return self.early
+
+    def undo_early_steps(self, why: str) -> None:
+        """Put back what the backward's early steps changed (someone outside the step needs the state)."""
+        if self.early is not None:
+            self.early.undo(why)
 
     def link_lp(self) -> None:
         """Where the step writes each sub-group's new 16-bit shards: the parameters' slots now (none for a
@@ -372,6 +399,7 @@ class ZeroOptimizer:
 
     # ---- gradients -----------------------------------------------------------
     def zero_grad(self) -> None:
+        self.undo_early_steps("zero_grad dropped the gradients")
         self.grads.zero()
 
     def agree_on_gradients(self, failed: bool = False) -> tuple[torch.Tensor, bool]:
@@ -425,25 +453,32 @@ class ZeroOptimizer:
         none]); a failed disk tier leaves the state as it was before the step and
         keeps the gradients, so the step can be retried (StepIOError(step_applied=False)).
         """
-        failure: Exception | None = None
+        failure: BaseException | None = None
         work: torch.Tensor | None = None
         repairing = self.lp_stale  # the same on every rank (see repair_lp)
+        if self.lp_stale:  # the repair below writes the shards from the masters as they are: not speculated
+            self.undo_early_steps("the 16-bit shards are rewritten from the masters")
+        early = self.early if self.early is not None and self.early.armed else None
+        if early is not None:
+            failure = early.wait()  # an early step that raised is this rank's failed step
         try:
             self.repair_lp()
             # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
             # out-of-memory here is a step no rank applies.
             work = self.lp_grads.tensor if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
-            failure = error
+            failure = failure or error
         scale = self.loss_scaler.loss_scale
         squared, any_failed = self.agree_on_gradients(failed=failure is not None)
         if any_failed:
             self.lp_stale = repairing  # kept alike on every rank
+            self.undo_early_steps("a rank failed before its step")
             self.protocol.fail_together("step", failure, NOT_APPLIED)
         assert work is not None
         if not self.ignore_unused_parameters:
             unused = [sp.name for sp in self.params if not self.grads.arrived[sp]]  # agreed: alike everywhere
             if unused:
+                self.undo_early_steps("a parameter got no gradient")
                 raise RuntimeError(
                     f"{len(unused)} trained parameters got no gradient on any rank in this step "
                     f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}) and "
@@ -460,7 +495,7 @@ class ZeroOptimizer:
             overflowed = bool(overflow.item())
             self.loss_scaler.update(overflowed)
             if overflowed:
-                self.zero_grad()
+                self.zero_grad()  # (which undoes the early steps)
                 return False, norm
         elif self.fused:
             # A non-finite gradient skips the update in the fused kernel itself (masters, moments and
@@ -472,9 +507,15 @@ class ZeroOptimizer:
             self.skipped.add_(1)
             self.zero_grad()
             return True, norm
+        # Why the backward's early steps are not this step's operation, if they are not (one host read).
+        why_not: str | None = None
+        if early is not None and found_inf is not None and bool(overflow.item()):
+            why_not = "a gradient is not finite"
         coefficient: torch.Tensor | None = None
         if self.gradient_clipping > 0:
             coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
+            if early is not None and why_not is None and bool(coefficient != 1.0):
+                why_not = "the gradients are clipped"  # (x * 1 is x: unclipped, the early steps made this step)
             if scale != 1.0:
                 coefficient.mul_(1.0 / scale)
         elif scale != 1.0:
@@ -493,14 +534,20 @@ class ZeroOptimizer:
 
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
+        # The sub-groups the backward stepped early, kept where they made this step's operation (see
+        # zero3.runtime.early_step's Note); else undone, and stepped below with the rest.
+        stepped_early = early.keep_or_undo(why_not) if early is not None else set()
         if self.exchange is not None:
             try:
                 self._orthogonalize_matrices(coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
             self.protocol.settle("step", failure, NOT_APPLIED, undo=put_back)
-        before = self._scalar_snapshot()
         streamed = self.states.transactional
+        # The scalars to put back if the walk fails on some rank: only a transactional tier's step can be
+        # abandoned; a memory tier's failed walk leaves the engine refusing to train until a checkpoint is
+        # loaded (see the Note), which brings every scalar back.
+        before = self.scalar_snapshot() if streamed else None
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
         # next one steps), except into a disk file beside masters kept in memory: those masters are
         # updated in place, so the shards go after the whole walk.
@@ -509,13 +556,17 @@ class ZeroOptimizer:
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
             grad = self.lp_grads.view(sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
-            self._step_sub_group(sub, window, coefficient, found_inf, grad)
+            self.step_sub_group(sub, window, coefficient, found_inf, grad, fill_grad=not self.grads_in_place)
             if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
 
         lp_failure: OSError | None = None
         try:
-            self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle)
+            if during and self.hp_params is not None:
+                for index in sorted(stepped_early):
+                    self._write_lp(self.sub_groups[index], self.hp_params.view(self.sub_groups[index].offset,
+                                                                             self.sub_groups[index].numel))
+            self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, idle | stepped_early)
             if not during and self.hp_params is not None:
                 try:
                     for index, sub in enumerate(self.sub_groups):
@@ -562,10 +613,11 @@ class ZeroOptimizer:
         self.agree_on_gradients(failed=True)
         self.protocol.peer_failure("step", failure)
 
-    def _abandon(self, before: _ScalarSnapshot, put_back: Callable[[], None],
+    def _abandon(self, before: ScalarSnapshot | None, put_back: Callable[[], None],
                  streamed: bool) -> None:
         """After a walk that failed on some rank: what the step changed here, put back where it can be."""
-        self._restore_scalars(before)
+        if before is not None:
+            self.restore_scalars(before)
         put_back()
         if streamed:
             self.states.abandon()
@@ -579,23 +631,23 @@ class ZeroOptimizer:
                 failed = True
             self.lp_stale = self.protocol.flags([failed])[0]
 
-    def _step_sub_group(
+    def step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
-        found_inf: torch.Tensor | None, grad: torch.Tensor,
+        found_inf: torch.Tensor | None, grad: torch.Tensor, fill_grad: bool,
     ) -> None:
+        """Step one sub-group's window from `grad` (`fill_grad`: copied there from lp_grads first)."""
         # This sub-group's fp32 gradients, made in `grad` from the 16-bit ones (never stored): the step's
         # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults); or,
         # with `grads_in_place`, `grad` is the reduced gradients themselves.
-        if not self.grads_in_place:
+        if fill_grad:
             grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
         if coefficient is not None:
             grad.mul_(coefficient)
         if not self._views_bound:
             self._bind(sub, window)
-        cursor = 0
-        for piece, master in zip(sub.pieces, sub.masters):
-            master.grad = grad[cursor : cursor + piece.numel] if self.grads.arrived[piece.sp] else None
-            cursor += piece.numel
+        arrived = self.grads.arrived
+        for piece, master, piece_grad in zip(sub.pieces, sub.masters, grad.split(sub.piece_numels)):
+            master.grad = piece_grad if arrived[piece.sp] else None
         if self.fused:
             self.optimizer.found_inf = found_inf  # read by torch's fused kernels only
         self.optimizer.step()
@@ -658,7 +710,7 @@ class ZeroOptimizer:
             stepped[sp] = {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state}
         self.set_states(stepped)
 
-    def _scalar_snapshot(self) -> _ScalarSnapshot:
+    def scalar_snapshot(self) -> ScalarSnapshot:
         """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
         on some rank. The 0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not
         one clone per piece: this runs at every step."""
@@ -688,9 +740,9 @@ class ZeroOptimizer:
                 stacked[name] = (masters, torch.stack(values))
             else:
                 loose.extend((master, name, value.clone()) for master, value in zip(masters, values))
-        return _ScalarSnapshot(fresh, stacked, loose)
+        return ScalarSnapshot(fresh, stacked, loose)
 
-    def _restore_scalars(self, snapshot: _ScalarSnapshot) -> None:
+    def restore_scalars(self, snapshot: ScalarSnapshot) -> None:
         """After a failed walk: every piece's scalars (and whether it had state) as before the step."""
         for master in snapshot.fresh:
             self.optimizer.state[master].clear()
@@ -726,6 +778,9 @@ class ZeroOptimizer:
 
     def close(self) -> None:
         """Free the tier's buffers and forget the parameters (the engine is being destroyed)."""
+        if self.early is not None:
+            self.early.close()
+            self.early = None
         self.states.close()
         self.optimizer.state.clear()
         self.optimizer.param_groups.clear()
