@@ -528,3 +528,33 @@ def test_misuse_gives_clear_errors(device: str) -> None:
     assert "not a parameter of the model" in messages[1]
     assert "zero_optimization.stage" in messages[2]
     assert "scalar loss" in messages[3] and "(3, 2)" in messages[3]
+
+
+def parameter_dicts(rank: int, world: int) -> dict:
+    from zero3.partition.param_dict import ZeroParamDict
+
+    torch.manual_seed(0)
+    model = models.TiedTransformer(vocab=48)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    engine = zero3.initialize(model=model, config=config)[0]
+    reporting = sorted(name for name, module in model.named_modules() if isinstance(module._parameters, ZeroParamDict))
+    x, y = models.batches("tokens", 1, 2 * world)[0]
+    loss = engine(x.chunk(world)[rank], y.chunk(world)[rank])
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    return {"reporting": reporting, "loss": float(loss),
+            "after destroy": [name for name, m in model.named_modules() if isinstance(m._parameters, ZeroParamDict)]}
+
+
+def test_only_modules_whose_reads_can_gather_report_them() -> None:
+    """A module whose parameters are all persistent (here the LayerNorms, 64 elements each, under a threshold of
+    100) reads them through a plain dict: no Python call per read. The others (the tied head, the root's
+    position table, the blocks' linears) still report each read, so a read outside the owner's forward
+    gathers."""
+    for out in run_ranks(2, parameter_dicts):
+        assert "ln" not in out["reporting"] and "blocks.0.ln1" not in out["reporting"], out
+        assert {"", "head", "embed", "blocks.0.qkv", "blocks.0.mlp.0"} <= set(out["reporting"]), out
+        assert out["after destroy"] == [], out

@@ -712,8 +712,9 @@ class ZeroOptimizer:
 
     def scalar_snapshot(self) -> ScalarSnapshot:
         """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
-        on some rank. The 0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not
-        one clone per piece: this runs at every step."""
+        on some rank (a transactional tier's) or its early part is undone (zero3.runtime.early_step). The
+        0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not one clone per piece:
+        this runs at every such step."""
         fresh: list[nn.Parameter] = []
         tensors: dict[str, tuple[list[nn.Parameter], list[torch.Tensor]]] = {name: ([], []) for name in self.scalar_names}
         loose: list[tuple[nn.Parameter, str, Any]] = []
