@@ -14,7 +14,9 @@ speculative:
 * each steps a private fp32 copy of the sub-group's gradients (lp_grads is
   left as the backward made it), with the coefficient the step would use were
   nothing clipped (1, or 1/loss scale) and no overflow; a sub-group any of
-  whose parameters has no gradient on this rank is left to the step;
+  whose parameters has no gradient on this rank, or whose gradients land
+  only once the backward's computation is over (it would start no earlier
+  than the step), is left to the step;
 * at `engine.step()` the step agrees as always (a failure in an early step
   is this rank's failure there), then keeps the early steps only where the
   step it would have made is the same operation: no rank failed, no
@@ -111,6 +113,7 @@ class EarlySteps:
         self._found_inf: torch.Tensor | None = None
         self._began = 0.0
         self._late = False
+        self._computed = False
         self._done: list[_Early] = []
 
     @property
@@ -135,14 +138,15 @@ class EarlySteps:
         self._waiting = [len(params) for params in self._params_of]
         self._jobs = []
         self._late = False
+        self._computed = False
         self._began = time.perf_counter()
         self.stats.last_timeline = []
         self._armed = True
 
     def landed(self, params: list[ShardedParam]) -> None:
         """These parameters' gradient shards were added to lp_grads (the reducer's landing)."""
-        if not self._armed:
-            return
+        if not self._armed or self._computed:
+            return  # (once the backward's computation is over, the step itself is as early as any)
         arrived = self.optimizer.grads.arrived
         for sp in params:
             for index in self._subs_of.get(sp, ()):
@@ -154,8 +158,11 @@ class EarlySteps:
         """A late round added gradients after their buckets had landed (the early steps used too few)."""
         self._late = True
 
-    def backward_ended(self) -> None:
+    def backward_computed(self) -> None:
+        """The backward's computation is over (what is left lands its last reductions): a sub-group whose
+        gradients land from now on would start no earlier than the step, and is left to it, uncopied."""
         if self._armed:
+            self._computed = True
             self.stats.last_backward_s = time.perf_counter() - self._began
 
     def _submit(self, index: int) -> None:

@@ -213,9 +213,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
                 # Ends the pass on every rank; the others raise this rank's failure (zero3.rank_failure).
                 self.parts.backward.finish(failure)
                 raise
+            if early is not None:
+                early.backward_computed()
             self.parts.backward.finish()
-        if early is not None:
-            early.backward_ended()
         self.protocol.returned(Owed.STEP if self.is_gradient_accumulation_boundary() else Owed.FORWARD)
         return loss
 
