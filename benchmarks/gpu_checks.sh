@@ -11,7 +11,8 @@
 #   small    step_time --device cuda, GPT 16 x 768 (113M), zero3 vs DDP, FSDP2 (and DeepSpeed), alternated,
 #            then one torch.profiler run per engine (--breakdown: where the step goes)
 #   large    the same at 20 x 2304 (1.27B), without the profiler run
-#   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 vs DeepSpeed's
+#   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 (after the backward, and overlapped with
+#            it: super_offload) vs DeepSpeed's
 #   profile  a torch.profiler trace of zero3 and DDP at 113M (the top ops, per engine)
 #   peakmem  the allocations alive at the device memory's peak, by allocating code, zero3 vs FSDP2 at 1.27B
 #   offload  gpu_offload.py at 1.27B, pinned ahead (engine.pin_offload_buffers) while 30 steps train:
@@ -57,7 +58,7 @@ for phase in "$@"; do
         --out "$work/step_large.json" > "$work/large.log" 2>&1
       echo "rc $?"; tail -30 "$work/large.log" ;;
     zoffload)
-      timeout "$(limit zoffload 120)" python3 benchmarks/step_time.py --engines "${ZENGINES:-zero3,deepspeed}" \
+      timeout "$(limit zoffload 120)" python3 benchmarks/step_time.py --engines "${ZENGINES:-zero3,zero3-overlap,deepspeed}" \
         --offload-optimizer cpu --n-layer 16 --n-embd 768 --n-head 12 "${seq[@]}" --steps 10 --warmup 2 \
         --rounds "${ROUNDS_LARGE:-2}" --out "$work/step_zoffload.json" > "$work/zoffload.log" 2>&1
       echo "rc $?"; tail -20 "$work/zoffload.log" ;;

@@ -57,6 +57,8 @@ def train(rank: int, world: int, cfg: dict[str, Any], between: Callable[[Any, to
     torch.manual_seed(0)
     model = models.TiedTransformer(vocab=48)
     engine = zero3.initialize(model=model, config=cfg)[0]
+    if engine.optimizer.early is not None:
+        engine.optimizer.early.after_computation = True  # every sub-group early, whenever its reduction lands
     gas = cfg["gradient_accumulation_steps"]
     losses = []
     for step, (x, y) in enumerate(models.batches("tokens", steps, 2 * world * gas)):
@@ -78,8 +80,21 @@ def train(rank: int, world: int, cfg: dict[str, Any], between: Callable[[Any, to
 
 
 def compare(rank: int, world: int, case: str) -> dict[str, Any]:
-    between = None
+    reads: list[torch.Tensor] = []
+
+    def change_lr(engine: Any, model: Any, step: int) -> None:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 1e-2 / (step + 2)
+
+    def park(engine: Any, model: Any, step: int) -> None:
+        engine.offload_states()
+        engine.reload_states()
+
+    def read_a_master(engine: Any, model: Any, step: int) -> None:
+        reads.append(zero3.safe_get_full_fp32_param(model.head.weight).clone())
+
     kwargs: dict[str, Any] = {"precision": "bf16", "clip": 100.0}  # configured, never reached
+    between = {"lr changed": change_lr, "parked": park, "accessor": read_a_master}.get(case)
     if case == "fp32":
         kwargs = {"precision": "fp32", "clip": 0.0}
     elif case == "accumulated":
@@ -88,27 +103,11 @@ def compare(rank: int, world: int, case: str) -> dict[str, Any]:
         kwargs["clip"] = 1e-4
     elif case == "fp16 overflow":
         kwargs = {"precision": "fp32", "clip": 100.0, "fp16_scale_power": 24}
-    elif case == "lr changed":
-        def between(engine: Any, model: Any, step: int) -> None:
-            for group in engine.optimizer.param_groups:
-                group["lr"] = 1e-2 / (step + 2)
-    elif case == "parked":
-        def between(engine: Any, model: Any, step: int) -> None:
-            engine.offload_states()
-            engine.reload_states()
-    elif case == "accessor":
-        reads: list[torch.Tensor] = []
-
-        def between(engine: Any, model: Any, step: int) -> None:
-            reads.append(zero3.safe_get_full_fp32_param(model.head.weight if hasattr(model, "head")
-                                                        else next(model.parameters())).clone())
     runs = {}
     for super_offload in (False, True):
-        if case == "accessor":
-            reads = []
+        reads.clear()
         runs[super_offload] = train(rank, world, config(super_offload, **kwargs), between)
-        if case == "accessor":
-            runs[super_offload]["reads"] = reads
+        runs[super_offload]["reads"] = list(reads)
     plain, overlapped = runs[False], runs[True]
     out = {
         "losses": plain["losses"] == overlapped["losses"],
@@ -163,6 +162,8 @@ def failing_early_step(rank: int, world: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = models.TiedTransformer(vocab=48)
         engine = zero3.initialize(model=model, config=config(not skip_only, "bf16", 100.0))[0]
+        if engine.optimizer.early is not None:
+            engine.optimizer.early.after_computation = True  # every sub-group early: rank 1's all fail
         raised: list[str] = []
         unchanged = True
         for step, (x, y) in enumerate(data):
@@ -171,17 +172,19 @@ def failing_early_step(rank: int, world: int) -> dict[str, Any]:
                 continue
             failing = not skip_only and step == bad
             if failing and rank == 1:
-                original = engine.optimizer.step_sub_group
+                torch_optimizer = engine.optimizer.optimizer
+                original = torch_optimizer.step
 
                 def broken(*args: Any, **kwargs: Any) -> None:
+                    original(*args, **kwargs)  # part-way: the masters, moments and step counts have changed
                     raise RuntimeError("injected: an early step failed")
 
-                engine.optimizer.step_sub_group = broken  # every early step of this backward fails
+                torch_optimizer.step = broken  # every early step of this backward fails, after updating
             before = states(engine, model) if failing else None
             try:
                 engine.backward(models.loss_of(engine(x, y), model))
                 if failing and rank == 1:
-                    engine.optimizer.step_sub_group = original  # the step itself works again
+                    torch_optimizer.step = original  # the step itself works again
                 engine.step()
             except RuntimeError as error:
                 raised.append(str(error))

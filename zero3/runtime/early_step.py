@@ -104,6 +104,10 @@ class EarlySteps:
             for sp in params:
                 self._subs_of.setdefault(sp, []).append(index)
         self._worker: ThreadPoolExecutor | None = None
+        # Whether a sub-group whose gradients land once the backward's computation is over steps early too
+        # (not by default: it would start no earlier than the step). Which sub-groups land during the
+        # computation depends on when each reduction finishes; the tests set this to make every one early.
+        self.after_computation = False
         self._armed = False
         self._waiting: list[int] = []  # per sub-group: its parameters whose shards have not landed
         self._jobs: list[Future[_Early | None]] = []
@@ -114,6 +118,7 @@ class EarlySteps:
         self._began = 0.0
         self._late = False
         self._computed = False
+        self._submitted = 0
         self._done: list[_Early] = []
 
     @property
@@ -137,6 +142,7 @@ class EarlySteps:
                            if optimizer.fused and not optimizer.loss_scaler.dynamic else None)
         self._waiting = [len(params) for params in self._params_of]
         self._jobs = []
+        self._submitted = 0
         self._late = False
         self._computed = False
         self._began = time.perf_counter()
@@ -145,7 +151,7 @@ class EarlySteps:
 
     def landed(self, params: list[ShardedParam]) -> None:
         """These parameters' gradient shards were added to lp_grads (the reducer's landing)."""
-        if not self._armed or self._computed:
+        if not self._armed or (self._computed and not self.after_computation):
             return  # (once the backward's computation is over, the step itself is as early as any)
         arrived = self.optimizer.grads.arrived
         for sp in params:
@@ -169,6 +175,7 @@ class EarlySteps:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-early-step")
         self._jobs.append(self._worker.submit(self._step, index))
+        self._submitted += 1
 
     def _step(self, index: int) -> _Early:
         optimizer = self.optimizer
@@ -237,9 +244,10 @@ class EarlySteps:
             sub = optimizer.sub_groups[early.index]
             for name, saved in early.saved.items():
                 optimizer.states.buffers[name].view(sub.offset, sub.numel).copy_(saved)
-        if done:
+        if self._submitted:  # (a step that failed part-way may have counted its steps too)
             assert self._scalars is not None
             optimizer.restore_scalars(self._scalars)
+        if done:
             self.stats.undone += len(done)
             self.stats.undone_reasons[why] = self.stats.undone_reasons.get(why, 0) + len(done)
         self._disarm()

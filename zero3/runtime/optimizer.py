@@ -650,9 +650,11 @@ class ZeroOptimizer:
             master.grad = piece_grad if arrived[piece.sp] else None
         if self.fused:
             self.optimizer.found_inf = found_inf  # read by torch's fused kernels only
-        self.optimizer.step()
-        for master in sub.masters:
-            master.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for master in sub.masters:  # (torch steps every parameter with a .grad: none may stay set)
+                master.grad = None
         if self._fresh:
             self._adopt(sub, window)
 
