@@ -250,20 +250,16 @@ def render_offload_overlap(run: dict[str, Any]) -> str:
     rows = [[name, f"{figures['backward'] * 1e3:.1f}", f"**{figures['step'] * 1e3:.1f}**", f"{figures['total'] * 1e3:.1f}",
              ", ".join(f"{statistics.median(r['rows']['total']) * 1e3:.0f}" for r in run["runs"][name])]
             for name, figures in run["medians_s"].items()]
-    last = run["runs"]["overlapped (super_offload)"][-1]
-    early = last["early"]
-    timeline, backward_s = early["timeline"], early["backward_s"]
-    during = [(start, end) for start, end in timeline if start < backward_s]
-    inside = sum(min(end, backward_s) - start for start, end in during)
+    last = run["last_overlapped_step"]
     return (f"GPT {args['n_layer']} x {args['n_embd']} ({run['parameters'] / 1e6:.1f}M parameters), {args['precision']}, "
             f"{args['nproc']} ranks (gloo), `offload_optimizer: cpu`, sub-groups of {int(args['sub_group_size']):,} "
             f"elements; {args['steps']} steps after {args['warmup']}, {args['rounds']} alternated rounds; each phase "
             "the slowest rank's, medians.\n\n"
             + table(["host step", "backward ms", "step ms", "whole step ms", "runs (whole step ms)"], rows)
-            + f"\n\nRank 0's last overlapped step: {len(timeline)} of {last['sub_groups']} sub-groups stepped early, "
-            f"{len(during)} begun before its backward ended ({backward_s * 1e3:.0f} ms), {inside * 1e3:.0f} ms of "
-            f"host step inside the backward; over the run {early['kept']} sub-group steps kept, {early['undone']} "
-            "undone.\n\n" + provenance_line(run))
+            + f"\n\nRank 0's last overlapped step: {last['early']} of {last['sub_groups']} sub-groups stepped early, "
+            f"{last['begun_inside']} begun before its backward's computation ended ({last['backward_s'] * 1e3:.0f} ms), "
+            f"{last['inside_s'] * 1e3:.0f} ms of host step inside it; over the run {last['kept']} sub-group steps "
+            f"kept, {last['undone']} undone.\n\n" + provenance_line(run))
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,

@@ -93,6 +93,17 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def last_step_overlap(run: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's last overlapped step, from a run's early-step timeline: how many sub-groups stepped early, how
+    many began inside the backward's computation, and the host-step seconds that ran inside it."""
+    early = run["early"]
+    timeline, backward_s = early["timeline"], early["backward_s"]
+    during = [(start, end) for start, end in timeline if start < backward_s]
+    return {"sub_groups": run["sub_groups"], "early": len(timeline), "begun_inside": len(during),
+            "backward_s": backward_s, "inside_s": sum(min(end, backward_s) - start for start, end in during),
+            "kept": early["kept"], "undone": early["undone"], "undone_reasons": early["undone_reasons"]}
+
+
 def launch(args: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -146,17 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\noverlapped / after: step {overlapped['step'] / plain['step']:.2f}, "
           f"whole step {overlapped['total'] / plain['total']:.2f}")
     last = runs["overlapped (super_offload)"][-1]
-    early = last["early"]
-    sub_groups = last["sub_groups"]
-    timeline, backward_s = early["timeline"], early["backward_s"]
-    during = [(start, end) for start, end in timeline if start < backward_s]
-    overlapped_s = sum(min(end, backward_s) - start for start, end in during)
-    print(f"sub-groups stepped early and kept, over the last run: {early['kept']} "
-          f"(of {sub_groups} a step x {args.warmup + args.steps} steps); undone: {early['undone']} "
-          f"{early['undone_reasons'] or ''}")
-    print(f"rank 0's last step: {len(timeline)} of {sub_groups} sub-groups stepped early, {len(during)} of them "
-          f"begun before its backward ended ({backward_s * 1e3:.0f} ms); {overlapped_s * 1e3:.0f} ms of host step "
-          "ran inside the backward")
+    overlap = last_step_overlap(last)
+    timeline, backward_s = last["early"]["timeline"], overlap["backward_s"]
+    print(f"sub-groups stepped early and kept, over the last run: {overlap['kept']} "
+          f"(of {overlap['sub_groups']} a step x {args.warmup + args.steps} steps); undone: {overlap['undone']} "
+          f"{overlap['undone_reasons'] or ''}")
+    print(f"rank 0's last step: {overlap['early']} of {overlap['sub_groups']} sub-groups stepped early, "
+          f"{overlap['begun_inside']} of them begun before its backward's computation ended ({backward_s * 1e3:.0f} "
+          f"ms); {overlap['inside_s'] * 1e3:.0f} ms of host step ran inside it")
     for start, end in timeline:
         print(f"  early step {start * 1e3:8.1f} -> {end * 1e3:8.1f} ms after the backward began"
               + ("" if start < backward_s else "  (after it)"))
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "offload_overlap", "provenance": provenance(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
            "torch": torch.__version__, "parameters": params, "args": {k: str(v) for k, v in vars(args).items()},
-           "medians_s": medians, "runs": runs}
+           "medians_s": medians, "last_overlapped_step": overlap, "runs": runs}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
