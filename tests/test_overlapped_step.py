@@ -2,12 +2,13 @@
 host thread as their gradients land during the backward, and the step keeps or undoes that work so that
 training is bit-identical to the step after the backward (zero3.runtime.early_step's Note). At 2 ranks, in
 bf16 and fp32, against the same engine without it: losses, masters and moments equal after several steps
-where the early steps are kept (unclipped, with gradient accumulation), where they are undone (every step
+where the early steps are kept (unclipped, with gradient accumulation, with the 16-bit shards on disk), where they are undone (every step
 clipped; an fp16 overflow; the learning rate changed between backward and step; an accessor reading the
 masters there; offload_states and reload_states there), and where an early step fails on one rank (every rank raises, the step lands nowhere)."""
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any, Callable
 
 import pytest
@@ -22,7 +23,7 @@ STEPS = 4
 
 
 def config(super_offload: bool, precision: str, clip: float, gas: int = 1, fp16_scale_power: int | None = None,
-           optimizer: str = "AdamW") -> dict[str, Any]:
+           optimizer: str = "AdamW", params_on_disk: str | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
@@ -33,6 +34,8 @@ def config(super_offload: bool, precision: str, clip: float, gas: int = 1, fp16_
             "reduce_bucket_size": 4000, "offload_optimizer": {"device": "cpu", "super_offload": super_offload},
         },
     }
+    if params_on_disk is not None:  # the 16-bit shards in files: written after the walk, early steps included
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": params_on_disk, "max_in_cpu": 0}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if fp16_scale_power is not None:
@@ -103,6 +106,8 @@ def compare(rank: int, world: int, case: str) -> dict[str, Any]:
         kwargs["clip"] = 1e-4
     elif case == "fp16 overflow":
         kwargs = {"precision": "fp32", "clip": 100.0, "fp16_scale_power": 24}
+    elif case == "params on disk":
+        kwargs["params_on_disk"] = tempfile.gettempdir()
     runs = {}
     for super_offload in (False, True):
         reads.clear()
@@ -124,6 +129,7 @@ CASES = {
     # case: (kept at least one early step (None: either), undone at least one and why)
     "bf16": (True, None),
     "fp32": (True, None),
+    "params on disk": (True, None),
     "accumulated": (True, None),
     "clipped": (False, "the gradients are clipped"),
     "fp16 overflow": (None, "zero_grad dropped the gradients"),
