@@ -26,10 +26,12 @@ speculative:
   shards. Otherwise it copies every window and the scalars back and steps as
   if nothing had run early. Either way the result is bit-identical to the
   step without overlap (tests/test_overlapped_step.py).
-Anything else that reads or writes the masters, moments or gradients
-between the backward and the step (zero_grad, a checkpoint, offload_states,
-the safe_get/safe_set accessors, another backward) first waits for the early
-steps and undoes them, so no one sees a speculated value.
+Anything else that reads or writes the masters or moments, or writes the
+gradients, between the backward and the step (zero_grad, a checkpoint,
+offload_states, the safe_get/safe_set accessors of masters and optimizer
+states, safe_set of gradients, another backward) first waits for the early
+steps and undoes them, so no one sees a speculated value. (Reading the
+gradients needs nothing: the early steps leave lp_grads as it was.)
 
 The price is host memory: each early-stepped sub-group's window is held,
 copied, until the step (at most the whole optimizer state again), and a
