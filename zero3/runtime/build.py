@@ -241,9 +241,6 @@ def build(
             go_lean(lean, {sp: slots.hp for sp, slots in optimizer.masters.items()}, device)
             optimizer.link_lp()
         if zc.offload_optimizer.super_offload:
-            if spec.muon is not None:
-                raise ValueError("offload_optimizer.super_offload steps each sub-group on its own as its gradients "
-                                 "land; Muon's step needs whole matrices across sub-groups: use one or the other")
             early = optimizer.overlap_host_step()
             reducer.on_landed, reducer.on_late_round = early.landed, early.late_gradients
     for sp in sharded_params:

@@ -65,6 +65,11 @@ class _Early:
     ended: float = 0.0
 
 
+def _put_window_back(early: _Early, window: dict[str, torch.Tensor]) -> None:
+    for name, saved in early.saved.items():
+        window[name].copy_(saved)
+
+
 @dataclass
 class EarlyStepStats:
     """What the overlapped steps did over the engine's life (tests and benchmarks read it)."""
@@ -84,6 +89,12 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
+
+
+def _same_hyperparameters(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> bool:
+    """Every group with the same keys and the same values (a key added or dropped is a change too)."""
+    return len(before) == len(now) and all(
+        a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a) for a, b in zip(before, now))
 
 
 def _hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,8 +200,7 @@ class EarlySteps:
         try:
             optimizer.step_sub_group(sub, window, self._coefficient, self._found_inf, grad, fill_grad=True)
         except BaseException:
-            for name, saved in early.saved.items():  # a step that failed part-way leaves nothing behind
-                window[name].copy_(saved)
+            _put_window_back(early, window)  # a step that failed part-way leaves nothing behind
             raise
         early.ended = time.perf_counter() - self._began
         return early
@@ -221,9 +231,8 @@ class EarlySteps:
         done = self._done
         if why_not is None and self._late:
             why_not = "late gradients"
-        if why_not is None and not all(_same(a, b) for before, now in zip(
-                self._hyperparameters, _hyperparameters(self.optimizer.param_groups))
-                for a, b in zip(before.values(), now.values())):
+        if why_not is None and not _same_hyperparameters(self._hyperparameters,
+                                                         _hyperparameters(self.optimizer.param_groups)):
             why_not = "the hyperparameters changed"
         if why_not is None:
             self.stats.kept += len(done)
@@ -244,8 +253,8 @@ class EarlySteps:
         optimizer = self.optimizer
         for early in done:
             sub = optimizer.sub_groups[early.index]
-            for name, saved in early.saved.items():
-                optimizer.states.buffers[name].view(sub.offset, sub.numel).copy_(saved)
+            _put_window_back(early, {name: buffer.view(sub.offset, sub.numel)
+                                     for name, buffer in optimizer.states.buffers.items()})
         if self._submitted:  # (a step that failed part-way may have counted its steps too)
             assert self._scalars is not None
             optimizer.restore_scalars(self._scalars)

@@ -90,13 +90,19 @@ class MasterSlots:
 _MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKeyDictionary()
 
 
-def master_slots(sp: ShardedParam) -> MasterSlots | None:
-    """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
-    outside the step (the accessors): the step's early part is undone first (zero3.runtime.early_step)."""
+def settle_for_accessor(sp: ShardedParam) -> None:
+    """Before an accessor reads `sp`'s master or moments, or writes its gradient or master: the backward's
+    early steps are undone (zero3.runtime.early_step), so it sees no speculated value."""
     slots = _MASTERS.get(sp)
     if slots is not None:
         slots.owner.undo_early_steps("an accessor read or wrote the optimizer's state")
-    return slots
+
+
+def master_slots(sp: ShardedParam) -> MasterSlots | None:
+    """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
+    outside the step (the accessors): settled first (`settle_for_accessor`)."""
+    settle_for_accessor(sp)
+    return _MASTERS.get(sp)
 
 
 @dataclass
@@ -250,9 +256,12 @@ class ZeroOptimizer:
 
     def overlap_host_step(self) -> EarlySteps:
         """Step each sub-group on a host thread as its gradients land (see zero3.runtime.early_step's Note)."""
-        if self.states.transactional or self.exchange is not None or self.step_device.type != "cpu":
+        if self.exchange is not None:
+            raise ValueError("offload_optimizer.super_offload steps each sub-group on its own as its gradients "
+                             "land; Muon's step needs whole matrices across sub-groups: use one or the other")
+        if self.states.transactional or self.step_device.type != "cpu":
             raise ValueError("the overlapped host step needs the optimizer state in host memory (offload_optimizer "
-                             "device 'cpu') and an elementwise optimizer (not Muon)")
+                             "device 'cpu')")
         if self.early is None:
             self.early = EarlySteps(self)
         return self.early
