@@ -33,7 +33,8 @@ PAGE_SECONDS = 180
 
 # Shell words that start a command and need no check of their own (plain shell, package tools).
 PLAIN_COMMANDS = {"cd", "export", "pip", "pip3", "git", "ls", "cat", "cp", "mv", "mkdir", "rm", "source", "echo", "tail",
-                  "nvidia-smi", "uv", "conda", "kill", "sleep", "wait", "du", "mount", "umount"}
+                  "nvidia-smi", "uv", "conda", "kill", "sleep", "wait", "du", "mount", "umount",
+                  "torchft_lighthouse"}
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ __all__ = [
     "BatchSizes",
     "BF16Config",
     "CheckpointConfig",
+    "FaultToleranceConfig",
     "ConfigError",
     "DataTypesConfig",
     "FP16Config",
@@ -790,6 +791,44 @@ class CheckpointConfig(_Model):
         return self.dir is not None and self.interval_steps is not None
 
 
+# ------------------------------------------------------------- fault tolerance
+
+
+class FaultToleranceConfig(_Model):
+    """The `fault_tolerance` section: this torchrun job is one replica group of a torchft job
+    (zero3.fault_tolerance's Note). The replicas' gradient average runs through torchft's Manager,
+    each step commits where its quorum says so, and a group that comes back takes its state from a
+    healthy peer."""
+
+    enabled: bool = False
+    # This group's name among the replica groups (torchft's replica_id; its trailing digits number it).
+    # None: the TORCHFT_REPLICA_ID environment variable.
+    replica_id: str | None = None
+    # The lighthouse's address (http://host:port); None: the TORCHFT_LIGHTHOUSE environment variable.
+    lighthouse: str | None = None
+    # Replica groups a step needs to commit (torchft's min_replica_size).
+    min_replicas: int = Field(default=1, ge=1)
+    # torchft's timeouts: its collectives, should_commit and a recovery's transfer; and forming a quorum.
+    timeout_s: float = Field(default=60.0, gt=0)
+    quorum_timeout_s: float = Field(default=60.0, gt=0)
+    # The quorum forms during the forward (torchft's default); false: before it, so a recovery lands
+    # before the step's forward rather than at its commit.
+    async_quorum: bool = True
+    # torchft's first quorum copies each rank's state from one group to the others, so that groups whose
+    # models were initialized differently start equal; false where every group builds the same weights
+    # (the same seed), which also lets the first step average every group's gradients.
+    init_sync: bool = True
+
+    @model_validator(mode="after")
+    def _named(self) -> FaultToleranceConfig:
+        if self.replica_id is not None and not self.replica_id.strip():
+            raise _KeyedError(("replica_id",), "expected a non-empty name for this replica group", (self.replica_id,))
+        if self.lighthouse is not None and not self.lighthouse.strip():
+            raise _KeyedError(("lighthouse",), "expected the lighthouse's address, as http://host:port",
+                              (self.lighthouse,))
+        return self
+
+
 # ------------------------------------------------------------------- top level
 
 
@@ -1067,6 +1106,25 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
         "zero3", "automatic saves write in the background: the step returns once the state is in host memory"),
     "checkpoint.keep_last": (
         "zero3", "automatic saves keep the newest K complete tags; null: all"),
+    "fault_tolerance": (
+        "zero3", "this torchrun job is one replica group of a torchft job: the replicas' gradient average, each "
+        "step's commit and a returning group's recovery from a healthy peer go through torchft "
+        "([fault tolerance](fault_tolerance.md))"),
+    "fault_tolerance.enabled": ("zero3", "run on torchft (needs `pip install torchft`)"),
+    "fault_tolerance.replica_id": (
+        "zero3", "this group's name among the replica groups; null: `TORCHFT_REPLICA_ID`"),
+    "fault_tolerance.lighthouse": (
+        "zero3", "the torchft lighthouse's address (`http://host:29510`); null: `TORCHFT_LIGHTHOUSE`"),
+    "fault_tolerance.min_replicas": ("zero3", "replica groups a step needs to commit"),
+    "fault_tolerance.timeout_s": (
+        "zero3", "seconds torchft's gradient average, commit vote and a recovery's transfer may take"),
+    "fault_tolerance.quorum_timeout_s": ("zero3", "seconds a step may wait for its quorum to form"),
+    "fault_tolerance.init_sync": (
+        "zero3", "the first quorum copies each rank's state from one replica group to the others (torchft's "
+        "`init_sync`); false where every group builds the same weights (the same seed)"),
+    "fault_tolerance.async_quorum": (
+        "zero3", "true: the quorum forms while the forward runs, and a recovering group takes its peer's state "
+        "at the step's commit; false: before the forward"),
     "checkpoint.resume": (
         "zero3", "`zero3.initialize` loads the newest complete checkpoint in `dir`, if there is one "
         "(`engine.global_steps` says where it resumed)"),
@@ -1253,6 +1311,7 @@ class Zero3Config(_Model):
     dump_state: Annotated[bool, Field(strict=False)] = False
     activation_checkpointing: dict[str, Any] | None = None
     checkpoint: Annotated[CheckpointConfig, BeforeValidator(_none_as_empty)] = CheckpointConfig()
+    fault_tolerance: Annotated[FaultToleranceConfig, BeforeValidator(_none_as_empty)] = FaultToleranceConfig()
     comms_logger: dict[str, Any] | None = None
     flops_profiler: dict[str, Any] | None = None
     tensorboard: dict[str, Any] | None = None
@@ -1273,6 +1332,23 @@ class Zero3Config(_Model):
             raise _KeyedError(
                 ("bf16.enabled", "fp16.enabled"), "enable at most one of bf16 and fp16", (True, True)
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fault_tolerance_alone(self) -> Zero3Config:
+        """torchft owns the replicate dimension: no replicas inside the job beside it, and no step that
+        runs before the replicas' gradients are known."""
+        if not self.fault_tolerance.enabled:
+            return self
+        zc = self.zero_optimization
+        if zc.mics_shard_size != -1:
+            raise _KeyedError(("fault_tolerance.enabled", "zero_optimization.mics_shard_size"),
+                              "with fault_tolerance each torchrun job is one shard group and torchft's replica "
+                              "groups are the replicas: remove mics_shard_size (-1)", (True, zc.mics_shard_size))
+        if zc.offload_optimizer.super_offload:
+            raise _KeyedError(("fault_tolerance.enabled", "zero_optimization.offload_optimizer.super_offload"),
+                              "super_offload steps the optimizer during the backward, before the replicas' "
+                              "gradient average and the quorum's commit: use one or the other", (True, True))
         return self
 
     @property

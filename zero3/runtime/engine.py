@@ -23,6 +23,7 @@ from zero3 import accelerator
 from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
+from zero3.fault_tolerance.replica_step import ReplicaStep
 from zero3.offload.tiers import check_tiers
 from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
@@ -134,6 +135,13 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._checkpoint_states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
         self._destroyed = False
+        # torchft's side of each step (zero3.fault_tolerance.replicas' Note): this job is one replica group.
+        self.fault_tolerance: ReplicaStep | None = None
+        if config.fault_tolerance.enabled:
+            if self.optimizer is None:
+                raise ValueError(f"fault_tolerance.enabled {NO_OPTIMIZER}")
+            self.fault_tolerance = ReplicaStep(self)
+            self.optimizer.replica_step = self.fault_tolerance
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -162,6 +170,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.protocol.begin()
         self._check_consistent("forward")
         self._require_resident("forward", FORWARD_NEEDS)
+        if self.fault_tolerance is not None and torch.is_grad_enabled():
+            self.fault_tolerance.begin_step()  # the quorum forms during the forward (async_quorum)
+            if self.fault_tolerance.take_recovered():  # (a quorum before the forward brought a peer's state)
+                self.parts.refresh_gathered()
         self.parts.repair_lp("forward")
         if self.compute_dtype != torch.float32:
             # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
@@ -317,16 +329,23 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             stepped, norm = self.optimizer.step()
             self._last_grad_norm = norm
             self._last_step_applied = stepped
-            if stepped:
+            # The state a recovering group took from its peer at the commit: what is gathered follows it.
+            recovered = self.fault_tolerance is not None and self.fault_tolerance.take_recovered()
+            dropped = self.optimizer.dropped
+            if stepped or recovered:
                 self.parts.refresh_gathered(views_follow=True)
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            elif dropped:
+                log.info("fault_tolerance: the quorum dropped step %d (its gradients are discarded)", self.global_steps + 1)
+            elif not stepped:
                 self._skipped_on_host += 1
                 log.info("fp16 overflow: step %d skipped, loss scale now %s", self.global_steps, self.loss_scaler.loss_scale)
-        # Counted once the step has landed: a step that raised (a failing disk) can be retried.
+        # Counted once the step has landed: a step that raised (a failing disk) can be retried. A step the
+        # fault-tolerant quorum dropped is no step (torchft does not count it either).
         self.micro_steps += 1
-        self.global_steps += 1
+        if not (boundary and self.optimizer.dropped):
+            self.global_steps += 1
         self.protocol.returned(Owed.FORWARD)
         printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
         every = self.config.steps_per_print
@@ -417,6 +436,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if self._destroyed:
             return
         checkpoint_error = self.saves.close()  # raised once the engine is torn down
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.close()
         self.parts.close()
         self.optimizer = self.grads = None
         self.lr_scheduler = None

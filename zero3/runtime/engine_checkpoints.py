@@ -30,6 +30,7 @@ from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.runtime.optimizer import ZeroOptimizer
 
 if TYPE_CHECKING:
+    from zero3.fault_tolerance.replica_step import ReplicaStep
     from zero3.checkpoint import state as checkpoint_state
 
 log = logging.getLogger("zero3")
@@ -75,6 +76,7 @@ class CheckpointMethods:
     # The client state the last load returned, and what automatic checkpoints save (set it to save yours).
     client_state: Any
     _checkpoint_states: dict[str, Any]  # register_checkpoint_state's objects, by name
+    fault_tolerance: ReplicaStep | None  # torchft's side of the step (zero3.fault_tolerance), if enabled
     _pending_states: dict[str, Any]  # states a load read for names not registered yet, by name
 
     def register_checkpoint_state(self, name: str, obj: Any) -> None:
@@ -298,6 +300,8 @@ class CheckpointMethods:
         """
         self._check_alive()
         self.parts.check_between_steps("load_checkpoint")
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.require_closed("load_checkpoint")
         self.wait_for_checkpoint()
         if tag is None:
             tag = self._agreed_latest(load_dir)
@@ -329,6 +333,8 @@ class CheckpointMethods:
                 self.optimizer.diverged = None  # every rank's masters and moments are the checkpoint's again
         if not load_module_only:
             self._restore_run(restored)
+        if self.fault_tolerance is not None and restored.counters is not None:
+            self.fault_tolerance.replicas.follow_checkpoint(self.global_steps)  # the quorum compares steps
         self.client_state = restored.client_state
         return restored.path, restored.client_state
 
@@ -365,7 +371,13 @@ class CheckpointMethods:
                             "belong to the ranks of that world and are left as they are", restored.world_size,
                             self.world_size, f" and registered states {names}" if names else "")
             return
-        mine = states[self.global_rank]
+        unsaved = self._apply_rank_state(states[self.global_rank])
+        if unsaved and self.global_rank == 0:
+            log.warning("load_checkpoint: the checkpoint holds no state for %s (registered after it was saved)", unsaved)
+
+    def _apply_rank_state(self, mine: dict[str, Any]) -> list[str]:
+        """Put back a rank state `_rank_state` took (here or on a peer: zero3.fault_tolerance.peer_state);
+        returns the registered names it holds nothing for."""
         rng_state.restore(mine["rng"], self.device)
         self._pending_states = {}
         for name, value in mine["registered"].items():
@@ -374,9 +386,7 @@ class CheckpointMethods:
                 self._pending_states[name] = value  # applied when registered
             else:
                 target.load_state_dict(value)
-        unsaved = sorted(set(self._checkpoint_states) - set(mine["registered"]))
-        if unsaved and self.global_rank == 0:
-            log.warning("load_checkpoint: the checkpoint holds no state for %s (registered after it was saved)", unsaved)
+        return sorted(set(self._checkpoint_states) - set(mine["registered"]))
 
     def _save_on_interval(self) -> None:
         """After an optimizer step: the automatic checkpoint, when the config's interval says so."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import StateOffloadedError
 from zero3.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
+
+if TYPE_CHECKING:
+    from zero3.fault_tolerance.replica_step import ReplicaStep
 
 # The states each training call reads or writes (a call refuses to run while one is offloaded).
 FORWARD_NEEDS = (OffloadStateType.lp_params,)
@@ -36,6 +39,7 @@ class OffloadMethods:
     parts: EngineParts
     offloader: StateOffloader
     _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
+    fault_tolerance: ReplicaStep | None  # torchft's side of the step (zero3.fault_tolerance), if enabled
 
     def offload_states(
         self,
@@ -59,6 +63,8 @@ class OffloadMethods:
         states = parse_states(include)
         target = parse_offload_device(device)
         self.parts.check_between_steps("offload_states")
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.require_closed("offload_states")
         mark = self.offloader.mark()
 
         def offload() -> None:
@@ -91,6 +97,8 @@ class OffloadMethods:
         """
         self._check_alive()
         self.parts.check_between_steps("reload_states")
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.require_closed("reload_states")
         self.protocol.agree("reload_states", lambda: self.offloader.reload(bool(non_blocking)),
                             " (what failed stays offloaded, intact: call engine.reload_states() again on every rank)")
 

@@ -59,6 +59,9 @@ def initialize(
         optimizer_spec.from_client(optimizer)  # refused before anything is set up
     if training_data is not None:
         check_dataset(training_data)
+    if cfg.fault_tolerance.enabled and mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"fault_tolerance.enabled: torchft's replica groups are the replicas, so the mesh must be "
+                         f"1-D (this group's shards), got {mesh.ndim} dimensions")
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.join_default_group(device, cfg.comm_timeout_s)

@@ -46,7 +46,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from zero3.runtime.early_step import EarlySteps
 from zero3.runtime.grad_shards import GradShards
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
+
+if TYPE_CHECKING:
+    from zero3.fault_tolerance.replica_step import ReplicaStep
 
 NOT_APPLIED = " (the step was applied on no rank)"
 
@@ -238,6 +241,10 @@ class ZeroOptimizer:
             self._fresh.clear()
         # Steps skipped on the device (a non-finite gradient under a static loss scale), read only when asked.
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        # With fault_tolerance: the replicas' average and the step's commit vote go through torchft
+        # (zero3.fault_tolerance.replicas' Note); `dropped` says the last step's vote was no.
+        self.replica_step: ReplicaStep | None = None
+        self.dropped = False
         self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
         if not self.states.transactional:
             self.bind_views()
@@ -422,7 +429,10 @@ class ZeroOptimizer:
         flags are host booleans, agreed on the gloo control group, so reading
         them never waits on the accelerator (see [Note: a step without host syncs]).
         """
-        self.comm.all_reduce_replicas(self.lp_grads.tensor)  # see the Note there
+        if self.replica_step is not None:
+            self.replica_step.average(self.lp_grads.tensor)  # torchft's replicas (zero3.fault_tolerance)
+        else:
+            self.comm.all_reduce_replicas(self.lp_grads.tensor)  # see the Note there
         squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
         if self.comm.job_alone:
             return squared[0], failed  # nothing to agree with: this rank's flags are everyone's
@@ -464,6 +474,7 @@ class ZeroOptimizer:
         """
         failure: BaseException | None = None
         work: torch.Tensor | None = None
+        self.dropped = False
         repairing = self.lp_stale  # the same on every rank (see repair_lp)
         if self.lp_stale:  # the repair below writes the shards from the masters as they are: not speculated
             self.undo_early_steps("the 16-bit shards are rewritten from the masters")
@@ -482,18 +493,30 @@ class ZeroOptimizer:
         if any_failed:
             self.lp_stale = repairing  # kept alike on every rank
             self.undo_early_steps("a rank failed before its step")
+            if self.replica_step is not None:
+                self.replica_step.abandon()
             self.protocol.fail_together("step", failure, NOT_APPLIED)
         assert work is not None
         if not self.ignore_unused_parameters:
             unused = [sp.name for sp in self.params if not self.grads.arrived[sp]]  # agreed: alike everywhere
             if unused:
                 self.undo_early_steps("a parameter got no gradient")
+                if self.replica_step is not None:
+                    self.replica_step.abandon()
                 raise RuntimeError(
                     f"{len(unused)} trained parameters got no gradient on any rank in this step "
                     f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}) and "
                     "zero_optimization.ignore_unused_parameters is false; the step was applied on no rank "
                     "(set it to true to step only the parameters that have gradients, as torch does)"
                 )
+        # The fault-tolerant quorum's commit point (zero3.fault_tolerance.replicas' Note): alike on every
+        # rank of the group, before anything changes. A recovering group takes its peer's state in it.
+        if self.replica_step is not None and not self.replica_step.commit():
+            self.dropped = True
+            self.zero_grad()
+            return False, squared.sqrt() / scale
+        if self.replica_step is not None:
+            scale = self.loss_scaler.loss_scale  # a recovery brings the peer's (its gradients are scaled by it)
         scaler_before = self.loss_scaler.state_dict()
         norm = squared.sqrt() / scale
         overflow = ~torch.isfinite(squared)
