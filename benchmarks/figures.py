@@ -262,7 +262,37 @@ def render_offload_overlap(run: dict[str, Any]) -> str:
             f"kept, {last['undone']} undone.\n\n" + provenance_line(run))
 
 
+# ---- fault_tolerance.py ---------------------------------------------------------------------------------------
+
+def render_fault_tolerance(run: dict[str, Any]) -> str:
+    setup, kill = run["setup"], run["kill"]
+    steps = run["median_step_s"]
+    rows = [[layout, f"**{statistics.median(values) * 1e3:,.0f}**", ", ".join(f"{value * 1e3:,.0f}" for value in values)]
+            for layout, values in (("HSDP, one job of 4 ranks (`mics_shard_size: 2`)", steps["hsdp"]),
+                                   ("torchft, 2 replica groups of 2 ranks", steps["ft"]))]
+    phases = [[phase, f"{seconds:.2f}"] for phase, seconds in kill["rejoin_phases_s"].items()]
+    phases.append(["**kill -> first step of the rejoined group**", f"**{kill['kill_to_first_step_s']:.2f}**"])
+    reference = run.get("restart_reference")
+    if reference is not None:
+        phases.append(["whole-job restart from the last checkpoint (`benchmarks/recovery.py`, same size, 2 ranks)",
+                       f"{reference['kill_to_first_step_s']:.2f}"])
+    return (f"GPT {setup['n_layer']} x {setup['n_embd']}, {setup['precision']}, 2 replicas x 2 shards on 4 CPU ranks "
+            f"(gloo), each replica on data of its own; torchft {run['torchft']}, lighthouse heartbeat timeout "
+            f"{setup['heartbeat_timeout_ms']} ms; medians of steps both replicas took part in, after {setup['warmup']}, "
+            f"{setup['rounds']} alternated runs.\n\n"
+            + table(["layout", "median step ms", "runs ms"], rows)
+            + f"\n\n(a) torchft's step over HSDP's: **{run['ft_over_hsdp']:.2f}x** (issue 45's goal: at most 1.10x).\n\n"
+            f"(b) Group 1 SIGKILLed (every rank) after the backward of step {setup['kill_step']}: the surviving group's "
+            f"longest step {kill['survivor_longest_step_s']:.2f} s, **{kill['survivor_longest_over_median']:.2f}x** its "
+            f"median {kill['survivor_median_step_s']:.2f} s (goal: at most 2x); it trained {kill['survivor_steps_alone']} "
+            f"steps alone and dropped {kill['survivor_dropped']}. Group 1 rejoined at step {kill['rejoined_at_step']}.\n\n"
+            "(c) Seconds from the kill:\n\n" + table(["phase", "s"], phases)
+            + "\n\n![both groups' losses across the kill and the rejoin](plots/fault_tolerance.png)\n\n"
+            + provenance_line(run))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
+                                                          "fault_tolerance": render_fault_tolerance,
                                                           "offload_overlap": render_offload_overlap,
                                                           "checkpoint": render_checkpoint,
                                                           "recovery": render_recovery, "rlhf": render_rlhf,
@@ -324,6 +354,10 @@ def headline(measured: Figures) -> str:
         lambda run: f"{run['models']['24x64']['per_parameter_over_buckets']:.1f}x faster than one gather per parameter "
                     f"(goal 5x); 289 MiB in {run['models']['12x1024']['buckets_over_gather_and_copy']:.2f}x one "
                     "all-gather + copy")
+    add("torchft replica groups (6 x 512 GPT, 2 x 2 ranks)", "fault_tolerance_cpu",
+        lambda run: f"step {run['ft_over_hsdp']:.2f}x HSDP's (goal 1.10x); a killed group back training "
+                    f"{run['kill']['kill_to_first_step_s']:.1f} s after the kill, its peer's longest step "
+                    f"{run['kill']['survivor_longest_over_median']:.2f}x its median (goal 2x)")
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")

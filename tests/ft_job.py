@@ -13,7 +13,9 @@ time to join before the job ends). Each rank writes, per step, a
 JSON line to OUT/g<G>_r<rank>.jsonl: the step, the attempt, the loss, the
 number of groups in the step's quorum, whether it committed, whether this
 rank took its state from a peer, and a digest of its whole state after the
-step (every flat buffer, the optimizer's scalars, the counters, the lr).
+step (every flat buffer, the optimizer's scalars, the counters, the lr, a
+registered object counting the batches drawn, and with `--sync-quorum`
+torch's generator, which then continues exactly too).
 At the end rank 0 writes the whole parameters to OUT/final_g<G>.pt.
 """
 
@@ -80,10 +82,27 @@ def batch(group: int, step: int, rank: int, world: int, micro: int) -> torch.Ten
     return rows[rank * micro : (rank + 1) * micro]
 
 
-def digest(engine: Any) -> str:
-    """This rank's whole state after a step: what a recovering peer would receive from it, hashed."""
+class Drawn:
+    """A registered state object: the batches this rank drew (a data loader's position, in small)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = int(state["count"])
+
+
+def digest(engine: Any, drawn: Drawn, generators: bool) -> str:
+    """This rank's whole state after a step, hashed: what a recovering peer would receive from it, the
+    registered object, and (`generators`) torch's generator."""
     state = engine.fault_tolerance.peer_state.state_dict()
     sums = hashlib.sha256()
+    sums.update(f"drawn={drawn.count}".encode())
+    if generators:
+        sums.update(torch.get_rng_state().numpy().tobytes())
     for key in sorted(state["buffers"]):
         values = state["buffers"][key].detach().cpu().contiguous()
         sums.update(key.encode())
@@ -118,6 +137,8 @@ def train(argv: list[str]) -> None:
         model.drop.p = 0.0
     engine, *_ = zero3.initialize(model=model, config=cfg)
     replicas = engine.fault_tolerance.replicas
+    drawn = Drawn()
+    engine.register_checkpoint_state("drawn", drawn)
     if any(point == "recovery" for _, point in kills):
         peer_state = engine.fault_tolerance.peer_state
         real_load = peer_state.load_state_dict
@@ -134,6 +155,7 @@ def train(argv: list[str]) -> None:
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
         rows = batch(args.group, step, rank, world, micro)
+        drawn.count += 1
         started = time.perf_counter()
         before = engine.fault_tolerance.recoveries  # (before the forward: a quorum there may recover)
         loss = engine(rows[:, :-1], rows[:, 1:])
@@ -147,7 +169,7 @@ def train(argv: list[str]) -> None:
         committed = not engine.optimizer.dropped
         record = {
             "step": engine.global_steps, "attempt": attempt, "loss": float(loss), "participants": participants,
-            "committed": committed, "seconds": time.perf_counter() - started, "digest": digest(engine),
+            "committed": committed, "seconds": time.perf_counter() - started, "digest": digest(engine, drawn, generators=args.sync_quorum),
             "recoveries": engine.fault_tolerance.recoveries - before, "grad_norm": engine.last_grad_norm,
         }
         log.write(json.dumps(record) + "\n")
