@@ -16,7 +16,7 @@ Each rank trains on data of its own replica (the same batches in both layouts), 
 
 (a) overhead: the median step of ``ft`` over ``hsdp``'s, after ``--warmup`` steps, ``--rounds`` alternated runs;
 (b) the surviving group's longest step while its peer dies (group 1 SIGKILLs every rank after the backward of
-    step ``--kill-step``; its torchrun restarts it), over its median step before the kill;
+    its first step from ``--kill-step`` on; its torchrun restarts it), over its median step before the kill;
 (c) seconds from the kill to the killed group's first step after it rejoined (torchrun's restart, the
     interpreter and imports, the build, the quorum and the transfer of its peer's state), beside a
     whole-job restart from the last checkpoint: ``benchmarks/recovery.py``'s zero3 run at the same size, run
@@ -48,17 +48,6 @@ _DEFAULT_OUT = _REPO / "benchmarks" / "results" / "fault_tolerance.json"
 # ------------------------------------------------------------------ worker (one rank, under torchrun)
 
 
-def process_created() -> float | None:
-    """Wall-clock time this process was created (Linux /proc, to ~10 ms); None where unknown."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        start_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime_s - start_s)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def config(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -85,6 +74,8 @@ def batch(args: argparse.Namespace, replica: int, shard: int, step: int) -> tupl
 
 
 def work(args: argparse.Namespace) -> None:
+    from recovery import process_created  # benchmarks/recovery.py, beside this script
+
     created = process_created()
     import torch
     import torch.distributed as dist
@@ -112,13 +103,14 @@ def work(args: argparse.Namespace) -> None:
         log.write(json.dumps({"attempt": attempt, "created": created, "imported": imported, "joined": joined,
                               "built": built}) + "\n")
     ft = engine.fault_tolerance
+    met = False  # whether this group has trained beside the other yet
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
         x, y = batch(args, replica, shard, step)
         started = time.perf_counter()
         loss = engine(x, y)["loss"]
         engine.backward(loss)
-        if ft is not None and args.group == 1 and attempt == 0 and step == args.kill_step:
+        if ft is not None and args.group == 1 and attempt == 0 and args.kill_step and step >= args.kill_step:
             if log is not None:
                 log.write(json.dumps({"killed": time.time()}) + "\n")
                 log.flush()
@@ -133,6 +125,11 @@ def work(args: argparse.Namespace) -> None:
                 "recovered": bool(ft is not None and ft.recoveries),
             }) + "\n")
             log.flush()
+        if ft is not None:
+            alone = ft.replicas.participants() == 1
+            met = met or not alone
+            if alone and (not met or args.alone_sleep):  # (outside the timed step) wait for the other group
+                time.sleep(args.alone_sleep or 0.2)
     engine.destroy()
     dist.destroy_process_group()
 
@@ -145,7 +142,8 @@ def worker_command(args: argparse.Namespace, worker: str, out: Path, nproc: int,
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(Path(__file__).resolve()),
             "--worker", worker, "--out", str(out), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-            "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), *extra]
+            "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--alone-sleep", str(args.alone_sleep),
+            *extra]
 
 
 def launch(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -193,7 +191,8 @@ def run_ft(args: argparse.Namespace, out: Path, env: dict[str, str], kill: bool)
     stderr = os.dup(2)
     os.dup2(quiet.fileno(), 2)
     try:
-        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=args.join_timeout_ms,
+        # Without a kill both groups are in every quorum (they start together); with one, a group goes on alone.
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1 if kill else 2, join_timeout_ms=args.join_timeout_ms,
                                       heartbeat_timeout_ms=args.heartbeat_timeout_ms)
         env = {**env, "TORCHFT_LIGHTHOUSE": lighthouse.address()}
         steps = args.steps + (args.after_kill if kill else 0)
@@ -221,7 +220,8 @@ def kill_figures(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any
     kill_time = next(line["killed"] for line in killed if "killed" in line)
     back = next(line for line in killed if line.get("attempt") == 1 and "created" in line)
     rejoined = next(line for line in killed if "step" in line and line["attempt"] == 1 and not line["dropped"])
-    before = [line["seconds"] for line in survivor if "step" in line and args.warmup < line["step"] < args.kill_step]
+    before = [line["seconds"] for line in survivor
+              if "step" in line and line["step"] > args.warmup and line["ended"] < kill_time and not line["dropped"]]
     during = [line for line in survivor if "step" in line and kill_time - 5 <= line["ended"] and
               line["ended"] - line["seconds"] <= rejoined["ended"]]
     longest = max(during, key=lambda line: line["seconds"])
@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
     parser.add_argument("--kill-step", type=int, default=12)
     parser.add_argument("--after-kill", type=int, default=40, help="steps the killed run goes on past --steps")
+    parser.add_argument("--alone-sleep", type=float, default=0.0,
+                        help="seconds a group that lost its peer waits after each step (for tiny, fast models)")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     parser.add_argument("--join-timeout-ms", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
@@ -328,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run = run_ft(args, root / f"ft-{round_}", env, kill=False)
                 steps = timed_steps(run["steps"][0], args.warmup)
+            if not steps:
+                raise SystemExit(f"{name}: no step after the {args.warmup} warmup steps had both replicas; "
+                                 "raise --steps")
             medians[name].append(statistics.median(steps))
             print(f"round {round_ + 1}: {name} median step {medians[name][-1] * 1e3:.1f} ms", flush=True)
     overhead = statistics.median(medians["ft"]) / statistics.median(medians["hsdp"])

@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.restart_job import SEQ, VOCAB, DropoutLM  # noqa: E402
+from tests.restart_job import SEQ, VOCAB, DropoutLM, die  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -53,6 +52,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--no-dropout", action="store_true", help="for a comparison with plain torch")
     parser.add_argument("--no-init-sync", action="store_true")
+    parser.add_argument("--optimizer", choices=("AdamW", "Lion"), default="AdamW")
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before joining")
     return parser.parse_args(argv)
 
 
@@ -63,7 +64,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": {"type": args.optimizer, "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
                                                      "warmup_type": "linear"}},
         "zero_optimization": zero,
@@ -114,17 +115,13 @@ def digest(engine: Any, drawn: Drawn, generators: bool) -> str:
     return sums.hexdigest()
 
 
-def die() -> None:
-    sys.stdout.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def train(argv: list[str]) -> None:
     import zero3
 
     args = parse(argv)
     out = Path(args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    time.sleep(args.start_delay)
     torch.set_num_threads(1)
     zero3.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -130,6 +130,27 @@ def test_a_group_killed_in_its_quorum_then_in_its_recovery_retries_and_its_host_
 
 
 @pytest.mark.timeout(300)
+def test_a_peer_state_that_does_not_fit_is_refused_on_every_rank_of_the_joining_group(tmp_path: Path,
+                                                                                       lighthouse) -> None:
+    """Group 1 runs another optimizer (another layout): it raises on both ranks when group 0's state arrives,
+    with nothing applied, and group 0 trains on to its end."""
+    steps = 10
+    groups = [start_group(tmp_path, lighthouse, 0, "--steps", str(steps), "--alone-sleep", "0.5"),
+              start_group(tmp_path, lighthouse, 1, "--steps", str(steps), "--optimizer", "Lion", "--start-delay", "2")]
+    groups[1].wait(timeout=DEADLINE_S)
+    assert groups[1].returncode != 0
+    log = (tmp_path / "torchrun_g1.log").read_text()
+    for rank in (0, 1):
+        failure = [line for line in log.splitlines() if line.startswith(f"[rank{rank}]: ") and "Error" in line]
+        assert any("does not fit this rank's engine" in line and "'Lion'" in line and "'AdamW'" in line
+                   for line in failure), failure
+    assert not (tmp_path / "g1_r0.jsonl").exists() or not records(tmp_path, 1, 0)  # it never stepped
+    finish(tmp_path, groups[:1])
+    healthy = committed_by_step(records(tmp_path, 0, 0))
+    assert sorted(healthy) == list(range(1, steps + 1))
+
+
+@pytest.mark.timeout(300)
 def test_the_replicas_gradient_average_matches_plain_torch(tmp_path: Path) -> None:
     """Two groups of 2 ranks, no dropout, both groups required in every quorum, built alike (so no first copy
     between them): each step applies the mean of the 4 ranks' gradients, as one plain torch model trained on
@@ -200,10 +221,14 @@ def _one_group(rank: int, world_size: int, lighthouse_address: str) -> dict[str,
     args = ft_job.parse(["unused", "--group", "0"])
     seen: dict[str, Any] = {}
     os.environ.pop("TORCHFT_LIGHTHOUSE", None)
+    untouched = DropoutLM()
     try:
-        zero3.initialize(model=DropoutLM(), config=ft_job.config(args))
+        zero3.initialize(model=untouched, config=ft_job.config(args))
     except FaultToleranceError as error:
         seen["no_lighthouse"] = str(error)
+    # Refused before anything was built: the model's parameters are whole, as they were.
+    seen["untouched"] = [tuple(p.shape) for p in untouched.parameters()] == [
+        tuple(p.shape) for p in DropoutLM().parameters()] and all(p.numel() > 0 for p in untouched.parameters())
     os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse_address
     torch.manual_seed(1)
     engine, *_ = zero3.initialize(model=DropoutLM(), config=ft_job.config(args))
@@ -237,6 +262,7 @@ def test_offloading_waits_for_the_quorum_to_close() -> None:
                for message in seen["refused"]), seen
     assert seen["participants"] == 1
     assert "TORCHFT_LIGHTHOUSE" in seen["no_lighthouse"] and "fault_tolerance.lighthouse" in seen["no_lighthouse"]
+    assert seen["untouched"]
     assert seen["global_steps"] == seen["torchft_step"] == 1
 
 

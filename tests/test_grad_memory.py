@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import weakref
 
-import pytest
 import torch
 
 import zero3

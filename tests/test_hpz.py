@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zero3
 from tests import models

@@ -112,9 +112,9 @@ def test_two_nodes_lose_one_and_the_survivor_resumes_at_half_the_world(tmp_path:
             os.kill(pid, signal.SIGKILL)
         log, _ = survivor.communicate(timeout=200)
     finally:
-        for job in (survivor, lost):
-            if job.poll() is None:
-                job.kill()
+        for process in (survivor, lost):
+            if process.poll() is None:
+                process.kill()
         lost.wait()
     assert survivor.returncode == 0, log[-6000:]
     started = attempts(out)

@@ -20,7 +20,7 @@ import zero3
 from tests import models
 from tests.distributed import run_ranks
 from tests.test_divergent import MICRO, config
-from zero3.topology import NodeLayout, Topology, TopologyError
+from zero3.topology import NodeLayout, TopologyError
 
 
 # ---- the layout from the environment (no collectives) ------------------------------------------------

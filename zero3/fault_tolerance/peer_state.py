@@ -129,6 +129,11 @@ class PeerState:
         self.staged = state
 
     def _check(self, state: dict[str, Any]) -> None:
+        parked = [buffer.state for buffer in self._buffers().values() if buffer.parked and buffer.store is None]
+        if parked:
+            raise FaultToleranceError(
+                f"a peer's state arrived while this rank's {sorted(set(parked))} are offloaded by offload_states(); "
+                "call engine.reload_states() before training, so that a recovery can write them")
         mine = self._layout()
         theirs = state.get("layout")
         if theirs == mine:

@@ -67,6 +67,7 @@ class ReplicaStep:
             self.peer_state.discard_staged()
             self.replicas.manager.load_state_dict(self._torchft_before)  # still behind: healed again next time
         if any_failed:
+            self.replicas.abandon()  # (the quorum before the forward: the next forward starts another)
             self.protocol.fail_together("fault-tolerant recovery", failure,
                                         " (the step was not applied; this group stays behind its peers)")
         if not any_staged or any_errored:

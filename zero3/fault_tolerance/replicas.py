@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -64,6 +65,37 @@ def _torchft() -> Any:
     return manager, process_group
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Where this group meets torchft: the lighthouse, the group's name, the host of this group's store."""
+
+    lighthouse: str
+    replica_id: str
+    host: str
+
+
+def check_setup(config: FaultToleranceConfig) -> Setup:
+    """The config and the environment, checked (torchft importable too): `zero3.initialize` calls it before
+    anything is built, so a missing lighthouse fails before the model is partitioned."""
+    _torchft()
+    lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lighthouse:
+        raise FaultToleranceError(
+            "fault_tolerance.enabled: no lighthouse address; set fault_tolerance.lighthouse or "
+            "TORCHFT_LIGHTHOUSE (http://host:29510, where torchft_lighthouse runs)")
+    replica_id = config.replica_id or os.environ.get("TORCHFT_REPLICA_ID")
+    if not replica_id:
+        raise FaultToleranceError(
+            "fault_tolerance.enabled: no replica group name; set fault_tolerance.replica_id or "
+            "TORCHFT_REPLICA_ID (one per torchrun job, e.g. 0, 1, ...)")
+    host = os.environ.get("MASTER_ADDR")
+    if not host:
+        raise FaultToleranceError(
+            "fault_tolerance.enabled: MASTER_ADDR not set; launch each replica group with torchrun, whose "
+            "rank 0 host torchft's store runs on")
+    return Setup(lighthouse, str(replica_id), host)
+
+
 class FaultTolerantReplicas:
     """torchft's Manager for this rank, and where a step meets it (see the Note).
 
@@ -74,22 +106,9 @@ class FaultTolerantReplicas:
     def __init__(self, config: FaultToleranceConfig, grads_device: torch.device,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  share: Callable[[Any], list[Any]]) -> None:
+        setup = check_setup(config)
         manager_module, pg_module = _torchft()
-        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-        if not lighthouse:
-            raise FaultToleranceError(
-                "fault_tolerance.enabled: no lighthouse address; set fault_tolerance.lighthouse or "
-                "TORCHFT_LIGHTHOUSE (http://host:29510, where torchft_lighthouse runs)")
-        replica_id = config.replica_id or os.environ.get("TORCHFT_REPLICA_ID")
-        if not replica_id:
-            raise FaultToleranceError(
-                "fault_tolerance.enabled: no replica group name; set fault_tolerance.replica_id or "
-                "TORCHFT_REPLICA_ID (one per torchrun job, e.g. 0, 1, ...)")
-        host = os.environ.get("MASTER_ADDR")
-        if not host:
-            raise FaultToleranceError(
-                "fault_tolerance.enabled: MASTER_ADDR not set; launch each replica group with torchrun, whose "
-                "rank 0 host torchft's store runs on")
+        host = setup.host
         # torchft meets this group's ranks (and the other groups their cross-replica groups) in a store. Not
         # torchrun's: that one outlives a restarted attempt, whose ranks would read the dead attempt's manager
         # address there (zero3.comm's [Note: one store namespace per attempt]). One made by this attempt's
@@ -102,18 +121,17 @@ class FaultTolerantReplicas:
             pg = pg_module.ProcessGroupNCCL(timeout=timeout)
         else:
             pg = pg_module.ProcessGroupGloo(timeout=timeout)
-        self.replica_id = str(replica_id)
+        self.replica_id = setup.replica_id
         self.async_quorum = config.async_quorum
         self.manager = manager_module.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replicas,
             use_async_quorum=config.async_quorum, init_sync=config.init_sync, timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s), rank=dist.get_rank(),
-            world_size=dist.get_world_size(), store_addr=host, store_port=store_port, lighthouse_addr=lighthouse,
+            world_size=dist.get_world_size(), store_addr=host, store_port=store_port, lighthouse_addr=setup.lighthouse,
             replica_id=self.replica_id,
         )
         self.manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)
         self._open = False  # a quorum was started and its step not yet committed or dropped
-        self.dropped = 0  # steps the quorum refused (a peer died in them, too few replicas, an error)
 
     # ---- the step ------------------------------------------------------------------
     @property
@@ -134,16 +152,11 @@ class FaultTolerantReplicas:
         self.begin_step()  # (a step whose forward ran outside the engine)
         self.manager.allreduce(tensor).wait()
 
-    def commit(self, failed: BaseException | None = None) -> bool:
+    def commit(self) -> bool:
         """The step's commit vote (see the Note): True on every rank of the group, or False on every one.
-        A recovery pending from the quorum is applied first (torchft's order)."""
-        if failed is not None:
-            self.manager.report_error(failed)
+        A recovery pending from the quorum is staged first (torchft's order)."""
         self._open = False
-        committed = bool(self.manager.should_commit())
-        if not committed:
-            self.dropped += 1
-        return committed
+        return bool(self.manager.should_commit())
 
     def abandon(self) -> None:
         """The step raised on every rank of the group before its commit: the next forward starts a new quorum."""

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
+from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
 from zero3.runtime.dataloader import check_dataset, training_loader
 from zero3.runtime.engine import ZeroEngine
@@ -59,9 +60,11 @@ def initialize(
         optimizer_spec.from_client(optimizer)  # refused before anything is set up
     if training_data is not None:
         check_dataset(training_data)
-    if cfg.fault_tolerance.enabled and mesh is not None and mesh.ndim != 1:
-        raise ValueError(f"fault_tolerance.enabled: torchft's replica groups are the replicas, so the mesh must be "
-                         f"1-D (this group's shards), got {mesh.ndim} dimensions")
+    if cfg.fault_tolerance.enabled:
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(f"fault_tolerance.enabled: torchft's replica groups are the replicas, so the mesh must "
+                             f"be 1-D (this group's shards), got {mesh.ndim} dimensions")
+        fault_tolerance.check_setup(cfg.fault_tolerance)  # before anything is built
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
     comm.join_default_group(device, cfg.comm_timeout_s)
