@@ -48,7 +48,8 @@ class ReplicaStep:
         """The quorum's vote on this step, alike on every rank of the group; a recovery that could not be
         applied raises on every rank of the group, with nothing of the step applied."""
         committed = self.replicas.commit()
-        self._settle_recovery()
+        if self.replicas.async_quorum:  # (before the forward, torchft hands a recovery over in begin_step only)
+            self._settle_recovery()
         return committed
 
     def _settle_recovery(self) -> None:

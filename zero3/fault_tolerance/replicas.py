@@ -121,14 +121,13 @@ class FaultTolerantReplicas:
             pg = pg_module.ProcessGroupNCCL(timeout=timeout)
         else:
             pg = pg_module.ProcessGroupGloo(timeout=timeout)
-        self.replica_id = setup.replica_id
         self.async_quorum = config.async_quorum
         self.manager = manager_module.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replicas,
             use_async_quorum=config.async_quorum, init_sync=config.init_sync, timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s), rank=dist.get_rank(),
             world_size=dist.get_world_size(), store_addr=host, store_port=store_port, lighthouse_addr=setup.lighthouse,
-            replica_id=self.replica_id,
+            replica_id=setup.replica_id,
         )
         self.manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)
         self._open = False  # a quorum was started and its step not yet committed or dropped
@@ -149,7 +148,6 @@ class FaultTolerantReplicas:
     def average(self, tensor: torch.Tensor) -> None:
         """The replicas' average of `tensor`, in place (see the Note). A failure here (a peer that died)
         is recorded by torchft and turns the commit down; the tensor is then not used."""
-        self.begin_step()  # (a step whose forward ran outside the engine)
         self.manager.allreduce(tensor).wait()
 
     def commit(self) -> bool:

@@ -344,7 +344,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         # Counted once the step has landed: a step that raised (a failing disk) can be retried. A step the
         # fault-tolerant quorum dropped is no step (torchft does not count it either).
         self.micro_steps += 1
-        if not (boundary and self.optimizer.dropped):
+        if not dropped:  # (only a boundary gets here)
             self.global_steps += 1
         self.protocol.returned(Owed.FORWARD)
         printing = self.global_rank == 0 and log.isEnabledFor(logging.INFO)  # it reads the norm: a host sync
