@@ -9,7 +9,8 @@ backward, before `engine.step()`), `quorum` (right after the step's first
 forward started its quorum) or `recovery` (STEP is ignored: as this rank
 starts applying a peer's state). `--alone-sleep S` makes a group that trains
 alone wait S seconds per step (so that a peer starting later, or killed, has
-time to join before the job ends). Each rank writes, per step, a
+time to join before the job ends). `--wait-for-group G` holds the first
+attempt's training until group G's ranks have built their engines. Each rank writes, per step, a
 JSON line to OUT/g<G>_r<rank>.jsonl: the step, the attempt, the loss, the
 number of groups in the step's quorum, whether it committed, whether this
 rank took its state from a peer, and a digest of its whole state after the
@@ -54,6 +55,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-init-sync", action="store_true")
     parser.add_argument("--optimizer", choices=("AdamW", "Lion"), default="AdamW")
     parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before joining")
+    parser.add_argument("--wait-for-group", type=int, default=None,
+                        help="in the first attempt, start training once that group's ranks have built their engines")
     return parser.parse_args(argv)
 
 
@@ -115,6 +118,17 @@ def digest(engine: Any, drawn: Drawn, generators: bool) -> str:
     return sums.hexdigest()
 
 
+def wait_for_group(out: Path, group: int, world: int, deadline_s: float = 120.0) -> None:
+    """Until every rank of `group` has built its engine: so that the groups' first quorums come together
+    and a kill keyed to a step lands in a step both groups train (a group starting seconds later under a
+    loaded machine would otherwise join by recovery, past the step its kill names)."""
+    until = time.monotonic() + deadline_s
+    while not all((out / f"built_g{group}_r{rank}").exists() for rank in range(world)):
+        if time.monotonic() > until:
+            raise TimeoutError(f"group {group} did not build its engines within {deadline_s} s")
+        time.sleep(0.05)
+
+
 def train(argv: list[str]) -> None:
     import zero3
 
@@ -147,6 +161,9 @@ def train(argv: list[str]) -> None:
         peer_state.load_state_dict = load_or_die  # type: ignore[method-assign]
         # (torchft holds the bound method it was given: replace it there too)
         engine.fault_tolerance.replicas.manager._load_state_dict_fns["zero3"] = load_or_die
+    (out / f"built_g{args.group}_r{rank}").touch()
+    if args.wait_for_group is not None and attempt == 0:
+        wait_for_group(out, args.wait_for_group, world)
     log = (out / f"g{args.group}_r{rank}.jsonl").open("a")
     micro = engine.train_micro_batch_size_per_gpu()
     while engine.global_steps < args.steps:
@@ -156,6 +173,7 @@ def train(argv: list[str]) -> None:
         started = time.perf_counter()
         before = engine.fault_tolerance.recoveries  # (before the forward: a quorum there may recover)
         loss = engine(rows[:, :-1], rows[:, 1:])
+        step = engine.global_steps + 1  # (a recovery in the forward's quorum moves it to the peers' step)
         if (step, "quorum") in kills:
             die()
         engine.backward(loss)

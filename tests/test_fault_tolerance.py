@@ -106,7 +106,8 @@ def test_a_group_killed_mid_step_rejoins_with_its_peers_state_bit_identical(tmp_
     groups = [
         start_group(tmp_path, lighthouse, group, "--steps", str(steps), "--offload-optimizer", "nvme",
                     "--nvme-path", str(tmp_path / f"nvme{group}"), *extra, restarts=restarts)
-        for group, extra, restarts in ((0, ("--alone-sleep", "0.5"), 0), (1, ("--kill", "0:4:mid_step"), 1))
+        for group, extra, restarts in ((0, ("--alone-sleep", "2", "--wait-for-group", "1"), 0),
+                                        (1, ("--kill", "0:4:mid_step"), 1))
     ]
     finish(tmp_path, groups)
     check_rejoined(tmp_path, killed_at=4, last_attempt=1, steps=steps)
@@ -121,7 +122,7 @@ def test_a_group_killed_in_its_quorum_then_in_its_recovery_retries_and_its_host_
     steps = 30
     common = ["--steps", str(steps), "--precision", "bf16", "--offload-optimizer", "cpu", "--sync-quorum"]
     groups = [
-        start_group(tmp_path, lighthouse, 0, *common, "--alone-sleep", "0.5"),
+        start_group(tmp_path, lighthouse, 0, *common, "--alone-sleep", "2", "--wait-for-group", "1"),
         start_group(tmp_path, lighthouse, 1, *common, "--kill", "0:3:quorum", "--kill", "1:0:recovery", restarts=2),
     ]
     finish(tmp_path, groups)
