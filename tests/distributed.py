@@ -4,7 +4,7 @@
 rank (fn must be a module-level function) and returns the ranks' return
 values, in rank order. A failing rank fails the test with its traceback.
 
-Ranks are forked from a forkserver that has imported torch and zero3 once
+Ranks are forked from a forkserver that has imported torch, zero3 and the Hugging Face trainers once
 (a spawned rank spent most of its start-up importing them, and the suite
 starts hundreds): each rank is still a new process with nothing of an earlier
 test's. A forked rank would inherit the server's environment, from when it
@@ -34,7 +34,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "zero3", "tests.models"])
+# Hugging Face's Trainer and TRL's trainers too: the ranks of the tests that use them spent about 6 s each
+# importing them (a module that is not installed is skipped by the server).
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed", "zero3", "tests.models", "transformers.trainer",
+    "transformers.models.llama.modeling_llama", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer",
+    "trl.trainer.grpo_trainer",
+])
 
 
 def _worker(

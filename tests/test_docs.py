@@ -1,9 +1,11 @@
 """The README and docs/ cannot go stale: their code runs, their commands exist, their links resolve.
 
 * Every ```python block of a page runs. A page's runnable blocks are one script, in page order (a later
-  block sees the names an earlier one made, as a reader reads them), run in a fresh directory on the CPU:
-  at world 1 with plain `python`, or under `torchrun --standalone --nproc_per_node 2` when the page says
-  `<!-- docs-test: world 2 -->`. A block that cannot run here is marked on the line before its fence with
+  block sees the names an earlier one made, as a reader reads them), run in a fresh directory on the CPU
+  as `__main__` (`runpy`): at world 1 in one process with no launcher's variables, as plain `python` runs
+  it, or in 2 ranks with torchrun's variables when the page says `<!-- docs-test: world 2 -->`. The
+  processes are forked from the suite's preloaded server (tests.distributed), which saves each page the
+  seconds a fresh interpreter spends importing torch and zero3. A block that cannot run here is marked on the line before its fence with
   `<!-- docs-test: skip: <why> -->`; the reason is required.
 * Every command in a ```bash block names something that exists: a `zero3` subcommand, a script in the
   repository (`python`, `torchrun`, `accelerate launch`, `bash`), or a module `python -m` can import.
@@ -15,13 +17,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import runpy
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
+
+from tests.distributed import RENDEZVOUS_VARIABLES, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -97,26 +102,29 @@ def script_for(page: Path) -> str | None:
 RUNNABLE_PAGES = [page for page in PAGES if script_for(page) is not None]
 
 
+def run_page(rank: int, world: int, script: str, cwd: str) -> None:
+    """One rank of a page's script, as `python script` (world 1) or torchrun's worker (world 2) runs it."""
+    if world == 1:
+        for name in RENDEZVOUS_VARIABLES:  # no launcher: the page makes its own world of one
+            os.environ.pop(name, None)
+    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    os.chdir(cwd)
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
+
+
+@pytest.mark.timeout(PAGE_SECONDS)
 @pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=page_id)
 def test_the_python_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
     script = tmp_path / "page.py"
     script.write_text(script_for(page) or "")
     declared = WORLD_MARKER.search(page.read_text())
     world = int(declared["world"]) if declared else 1
-    command = [sys.executable, str(script)]
-    if world > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     try:
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=PAGE_SECONDS)
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"{page_id(page)}'s python blocks ran past {PAGE_SECONDS} s:\n{expired.stdout}\n{expired.stderr}")
-    if done.returncode != 0:
-        pytest.fail(f"{page_id(page)}'s python blocks failed at world {world} (rc {done.returncode}); the "
-                    f"script's '# --- page:line' comments say which block a line is in:\n"
-                    f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        run_ranks(world, run_page, str(script), str(tmp_path))
+    except mp.ProcessRaisedException as failure:
+        pytest.fail(f"{page_id(page)}'s python blocks failed at world {world}; the '# --- page:line' comments of "
+                    f"{script} say which block a line is in:\n{failure}")
 
 
 def zero3_subcommands() -> set[str]:
