@@ -29,8 +29,10 @@ def bucketed(engine: zero3.ZeroEngine, dtype: torch.dtype | None) -> list[tuple[
 
 
 def alike(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
-    return [n for n, _ in a] == [n for n, _ in b] and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+    """The same parameters, each once, with the same values (buckets come in storage order)."""
+    x, y = dict(a), dict(b)
+    return len(x) == len(a) == len(b) and x.keys() == y.keys() and all(
+        x[n].dtype == y[n].dtype and x[n].shape == y[n].shape and torch.equal(x[n], y[n]) for n in x)
 
 
 def streams(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -71,11 +73,14 @@ def bucket_behaviour(engine: zero3.ZeroEngine, world: int) -> dict[str, Any]:
     """Collectives per bucket, the next gather issued before a bucket is handed out, a held bucket left
     alone, and (a world of one) no copies."""
     started = [0]
+    sent: list[bool] = []  # per gather: whether this rank's shards went out as a view of the 16-bit buffer
     real = Communicator.all_gather_flat
+    lp = engine.lp_buffers[0].tensor
 
-    def counted(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: Communicator, output: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         started[0] += 1
-        return real(self, *args, **kwargs)
+        sent.append(shard.untyped_storage().data_ptr() == lp.untyped_storage().data_ptr())
+        return real(self, output, shard, *args, **kwargs)
 
     Communicator.all_gather_flat = counted  # type: ignore[method-assign]
     try:
@@ -89,17 +94,18 @@ def bucket_behaviour(engine: zero3.ZeroEngine, world: int) -> dict[str, Any]:
     finally:
         Communicator.all_gather_flat = real  # type: ignore[method-assign]
     held, copy = buckets[0]
-    lp = engine.lp_buffers[0].tensor
     names = [entry.name for bucket, _ in buckets for entry in bucket.entries]
     return {
         "buckets": len(buckets),
         "gathers": started[0],
         "issued ahead": seen,
         "held unchanged": torch.equal(held.flat, copy),
-        "names": names == [name for name, _ in engine.iter_full_params()],
+        "names": sorted(names) == sorted(name for name, _ in engine.iter_full_params()) and len(set(names)) == len(names),
+        # Packed in storage order, every bucket's shards lie end to end in the 16-bit buffer: each sent as a
+        # view of it (a world of one: each bucket is that view).
+        "sent": sent,
         "events": {bucket.event for bucket, _ in buckets},
-        # Buckets that are views of the engine's 16-bit buffer (a world of one: those whose parameters lie end to
-        # end there; the persistent ones lie at its end, so a bucket mixing them with others is a copy).
+        # Buckets that are views of the engine's 16-bit buffer (a world of one, storage order: all of them).
         "views": sum(bucket.flat.untyped_storage().data_ptr() == lp.untyped_storage().data_ptr() for bucket, _ in buckets),
         "largest": max(bucket.nbytes for bucket, _ in buckets),
     }
@@ -119,5 +125,6 @@ def test_buckets_stream_the_same_weights_with_one_gather_each(world: int, tmp_pa
         if world > 1:
             assert out["gathers"] == count  # one collective a bucket
             assert out["issued ahead"] == [min(k + 2, count) for k in range(count)]  # the next one in flight
+            assert out["sent"] == [True] * count  # each bucket's shards sent from where they lie, uncopied
         else:
-            assert out["gathers"] == 0 and out["views"] > 0  # nothing to gather; in-place buckets not copied
+            assert out["gathers"] == 0 and out["views"] == count  # nothing to gather, nothing copied

@@ -220,8 +220,9 @@ class CheckpointMethods:
         of one of the engine's own shard). Extra memory is that one buffer, the
         size of the largest parameter streamed: at most the largest unit. With
         `bucket_bytes`, parameters are gathered that many bytes at a time, two
-        buckets in flight (`iter_weight_buckets`), and a yielded tensor stays
-        valid until the first parameter two buckets later is requested.
+        buckets in flight (`iter_weight_buckets`), in the order the engine
+        stores them rather than `named_parameters` order, and a yielded tensor
+        stays valid until the first parameter two buckets later is requested.
         A tied weight comes once, under its first name
         (named_parameters order; with `names`, its first name listed). `names` restricts what is yielded; a name the
         model does not have raises ValueError before anything is gathered.
@@ -244,8 +245,9 @@ class CheckpointMethods:
     def iter_weight_buckets(
         self, bucket_bytes: int, dtype: torch.dtype | None = None, names: Iterable[str] | None = None,
     ) -> Iterable[Any]:
-        """Yield `zero3.WeightBucket`s: every parameter, whole, packed in `named_parameters` order into flat
-        tensors of at most `bucket_bytes` (a larger parameter alone), each gathered in one exact all-gather
+        """Yield `zero3.WeightBucket`s: every parameter, whole, packed in the order the engine stores their
+        shards (so that a bucket's shards are sent, and on a world of one handed out, as a view of the engine's
+        buffer) into flat tensors of at most `bucket_bytes` (a larger parameter alone), each gathered in one exact all-gather
         while the consumer reads the previous one (zero3.runtime.weight_buckets' Note); collective, as
         `iter_full_params`. A bucket's `entries` give each parameter's name, shape, dtype and offset in
         `flat`; on CUDA wait on its `event` before reading from another stream or process; call its

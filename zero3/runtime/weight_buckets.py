@@ -3,13 +3,21 @@
 [Note: weight buckets]
 An RLHF step ends by handing every weight to the generator, on the critical
 path. One all-gather per parameter (zero3.runtime.full_params) pays a
-collective's latency hundreds of times; here parameters are packed, in
-`named_parameters` order, into buckets of at most `bucket_bytes` (a larger
-parameter gets a bucket of its own), and each bucket is one exact all-gather
-(never qwZ's quantized one): this rank's shards of the bucket, read from
-wherever they live and cast to the asked dtype, concatenated; the rank-major
-result is laid out so that each parameter's value is contiguous in the
-bucket's `flat` tensor, at its entry's `offset`.
+collective's latency hundreds of times; here parameters are packed into
+buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its
+own), and each bucket is one exact all-gather (never qwZ's quantized one):
+this rank's shards of the bucket, cast to the asked dtype, concatenated; the
+rank-major result is laid out so that each parameter's value is contiguous in
+the bucket's `flat` tensor, at its entry's `offset`.
+
+Parameters are packed in the order their shards are stored (each 16-bit
+buffer's, from its start), not in `named_parameters` order, which
+interleaves units with the persistent parameters kept together at the
+buffer's end. Packed in storage order, a bucket's shards lie end to end, so
+where they are in memory in the asked dtype the gather sends a view of the
+engine's buffer, with no copy into a staging buffer, and on a world of one
+the bucket itself is that view. Every rank stores alike, so every rank packs
+alike.
 
 Two buckets are in flight: a bucket is handed out only after the next one's
 gather has been issued, so the collective runs (on gloo's worker thread, or
@@ -22,9 +30,8 @@ consumer may keep a bucket as long as it likes, at the cost of that memory.
 Extra memory while the consumer releases each bucket before the next: three
 buffers of the largest bucket (the one being read, the one laid out before
 it is released, the next one's rank-major output) and this rank's part of
-one. On a world of one
-a bucket's parameters that lie end to end in one in-memory 16-bit buffer, in
-the asked dtype, are handed out as a view of it, with no copy at all.
+one. A bucket read from disk, cast to another dtype or (lean memory mode)
+from the masters goes through copies, as before.
 """
 
 from __future__ import annotations
@@ -97,13 +104,28 @@ class _BufferPool:
         self._free.append(base)
 
 
+def storage_order(chosen: list[tuple[str, ShardedParam]]) -> list[tuple[str, ShardedParam]]:
+    """`chosen` in the order their shards are stored (see the Note): by buffer, in the order `chosen` first
+    meets each, then by offset."""
+    buffers: dict[int, int] = {}
+
+    def where(item: tuple[str, ShardedParam]) -> tuple[int, int]:
+        sp = item[1]
+        slot = sp.lp_slot if sp.lp_slot is not None else sp.lean_master
+        if slot is None:
+            return (len(chosen), 0)
+        return (buffers.setdefault(id(slot.buffer), len(buffers)), slot.offset)
+
+    return sorted(chosen, key=where)
+
+
 def plan(chosen: list[tuple[str, ShardedParam]], dtype: torch.dtype, bucket_bytes: int
          ) -> list[list[tuple[str, ShardedParam]]]:
-    """The parameters, in order, packed into buckets of at most `bucket_bytes` of padded values in `dtype`
-    (a larger parameter alone in its own)."""
+    """The parameters, in storage order, packed into buckets of at most `bucket_bytes` of padded values in
+    `dtype` (a larger parameter alone in its own)."""
     buckets: list[list[tuple[str, ShardedParam]]] = []
     filled = 0
-    for name, sp in chosen:
+    for name, sp in storage_order(chosen):
         size = sp.padded_numel * dtype.itemsize
         if not buckets or filled + size > bucket_bytes:
             buckets.append([])
@@ -131,8 +153,8 @@ def _record_event(device: torch.device) -> Any:
 
 
 def _in_place(bucket: list[tuple[str, ShardedParam]], dtype: torch.dtype) -> torch.Tensor | None:
-    """On a world of one: the bucket's values as one view of the 16-bit buffer they lie end to end in, when
-    they do and need no cast or read; else None."""
+    """This rank's shards of the bucket as one view of the 16-bit buffer they lie end to end in, when they do
+    and need no cast or read (on a world of one, the bucket's values); else None."""
     slots = [sp.lp_slot for _, sp in bucket]
     first = slots[0]
     if first is None or any(slot is None or slot.buffer is not first.buffer for slot in slots):
@@ -158,13 +180,16 @@ class _BucketGather:
         self.gather = gather
         self.pool = pool
         self.shard_numels = [sp.shard_numel for _, sp in bucket]
-        own = staging.take(sum(self.shard_numels))  # this rank's shards, concatenated, in the asked dtype
-        cursor = 0
-        for (_, sp), numel in zip(bucket, self.shard_numels):
-            read_own_shard(sp, own[cursor : cursor + numel], staging)
-            cursor += numel
+        total = sum(self.shard_numels)
+        own = _in_place(bucket, staging.dtype)  # this rank's shards, concatenated, in the asked dtype
+        if own is None:  # on disk, cast, or not end to end: copied together
+            own = staging.take(total)
+            cursor = 0
+            for (_, sp), numel in zip(bucket, self.shard_numels):
+                read_own_shard(sp, own[cursor : cursor + numel], staging)
+                cursor += numel
         self.wire = pool.take()  # the rank-major output
-        self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * cursor])
+        self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * total])
 
     def finish(self, dtype: torch.dtype) -> WeightBucket:
         """Wait for the gather and lay each parameter out contiguously (a lone parameter's rank-major output
