@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from zero3.checkpoint.tags import CheckpointError
+# DCP's own types are imported where a save or load uses them: importing torch.distributed.checkpoint
+# takes about a second (it brings DTensor and sympy), and the engine imports this module to stage its
+# saves, so `import zero3` would pay it in every process, saving or not (zero3.checkpoint.planners).
 
 Box = tuple[list[int], list[int]]  # (offsets, sizes) in the global shape
 
@@ -89,7 +88,10 @@ class RangeChunks:
             cursor += math.prod(sizes)
 
     # ---- DCP's _Checkpointable hooks (duck-typed by its planner helpers) ----------
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         properties = TensorProperties(dtype=self.dtype)
         return [
             WriteItem(
@@ -104,7 +106,9 @@ class RangeChunks:
             for offsets, sizes in self.boxes
         ]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in self.boxes]
 
     # ---- a box's values ------------------------------------------------------------
@@ -128,50 +132,3 @@ class RangeChunks:
         box = torch.empty(sizes, dtype=self.dtype)
         box.copy_(values)
         self.write(cursor, box.reshape(-1))
-
-
-class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner; a `RangeChunks` entry answers with its boxes."""
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        entry = self.state_dict.get(index.fqn)
-        if isinstance(entry, RangeChunks):
-            return entry.box(index.offset)[1]
-        return super().lookup_object(index)
-
-
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner; a `RangeChunks` entry receives into its boxes (disk-backed ones are written
-    back when a read into them lands)."""
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        entry = self.state_dict.get(index.fqn)
-        if isinstance(entry, RangeChunks):
-            cursor, tensor = entry.box(index.offset)
-            if entry.write is not None:
-                self._pending[(index.fqn, tuple(index.offset or ()))] = (entry, cursor, tensor)
-            return tensor
-        return super().lookup_tensor(index)
-
-    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        # DCP's set-up rewrites every value it does not know as None (in place): keep ours aside.
-        ours = {key: value for key, value in state_dict.items() if isinstance(value, RangeChunks)}
-        super().set_up_planner(state_dict, *args, **kwargs)
-        state_dict.update(ours)
-        self.state_dict.update(ours)
-        self._pending: dict[tuple[str, tuple[int, ...]], tuple[RangeChunks, int, torch.Tensor]] = {}
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        # DCP would torch.load(weights_only=False) a BYTE_IO entry; zero3 saves none, so one is refused.
-        raise CheckpointError(
-            f"the checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; zero3 never saves one "
-            "and does not unpickle it (it could run code)"
-        )
-
-    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
-        key = (read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            entry, cursor, box = pending
-            assert entry.write is not None
-            entry.write(cursor, box.reshape(-1))

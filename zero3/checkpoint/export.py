@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zero3.checkpoint.chunks import LoadPlanner
+from zero3.checkpoint.planners import LoadPlanner
 from zero3.checkpoint.state import read_engine_state
 from zero3.checkpoint.trust import CheckpointReader
 from zero3.checkpoint.tags import CheckpointError, damaged, resolve, saved_checksum

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from zero3.checkpoint.chunks import LoadPlanner, RangeChunks, SavePlanner
+from zero3.checkpoint.chunks import RangeChunks
+from zero3.checkpoint.planners import LoadPlanner, SavePlanner
 from zero3.checkpoint.read_ahead import PageIn, page_in_own_files
 from zero3.checkpoint.same_layout import SameLayoutLoad
 from zero3.checkpoint.trust import CheckpointReader, VerifiedReader, load_engine_file
