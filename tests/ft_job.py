@@ -10,7 +10,10 @@ forward started its quorum) or `recovery` (STEP is ignored: as this rank
 starts applying a peer's state). `--alone-sleep S` makes a group that trains
 alone wait S seconds per step (so that a peer starting later, or killed, has
 time to join before the job ends). `--wait-for-group G` holds the first
-attempt's training until group G's ranks have built their engines. Each rank writes, per step, a
+attempt's training until group G's ranks have built their engines (two groups
+that wait for each other ask for their first quorum together);
+`--join-after-group G` until group G has recorded a step (this group joins
+behind it, by recovery). Each rank writes, per step, a
 JSON line to OUT/g<G>_r<rank>.jsonl: the step, the attempt, the loss, the
 number of groups in the step's quorum, whether it committed, whether this
 rank took its state from a peer, and a digest of its whole state after the
@@ -28,6 +31,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +58,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-dropout", action="store_true", help="for a comparison with plain torch")
     parser.add_argument("--no-init-sync", action="store_true")
     parser.add_argument("--optimizer", choices=("AdamW", "Lion"), default="AdamW")
-    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before joining")
     parser.add_argument("--wait-for-group", type=int, default=None,
                         help="in the first attempt, start training once that group's ranks have built their engines")
+    parser.add_argument("--join-after-group", type=int, default=None,
+                        help="in the first attempt, start training once that group's rank 0 has recorded a step")
     return parser.parse_args(argv)
 
 
@@ -118,15 +123,25 @@ def digest(engine: Any, drawn: Drawn, generators: bool) -> str:
     return sums.hexdigest()
 
 
-def wait_for_group(out: Path, group: int, world: int, deadline_s: float = 120.0) -> None:
-    """Until every rank of `group` has built its engine: so that the groups' first quorums come together
-    and a kill keyed to a step lands in a step both groups train (a group starting seconds later under a
-    loaded machine would otherwise join by recovery, past the step its kill names)."""
+def wait_until(ready: Callable[[], bool], what: str, deadline_s: float = 120.0) -> None:
     until = time.monotonic() + deadline_s
-    while not all((out / f"built_g{group}_r{rank}").exists() for rank in range(world)):
+    while not ready():
         if time.monotonic() > until:
-            raise TimeoutError(f"group {group} did not build its engines within {deadline_s} s")
+            raise TimeoutError(f"{what} did not happen within {deadline_s} s")
         time.sleep(0.05)
+
+
+def built(out: Path, group: int, world: int) -> bool:
+    """Every rank of `group` has built its engine. Two groups that wait for this of each other ask for their
+    first quorum together, so a kill keyed to a step lands in a step both train (a group starting seconds
+    later on a loaded machine would otherwise join by recovery, past the step its kill names)."""
+    return all((out / f"built_g{group}_r{rank}").exists() for rank in range(world))
+
+
+def stepped(out: Path, group: int) -> bool:
+    """`group`'s rank 0 has recorded a step: a group that joins after it is behind, and takes its state."""
+    log = out / f"g{group}_r0.jsonl"
+    return log.exists() and bool(log.read_text().strip())
 
 
 def train(argv: list[str]) -> None:
@@ -135,7 +150,6 @@ def train(argv: list[str]) -> None:
     args = parse(argv)
     out = Path(args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    time.sleep(args.start_delay)
     torch.set_num_threads(1)
     zero3.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -163,7 +177,9 @@ def train(argv: list[str]) -> None:
         engine.fault_tolerance.replicas.manager._load_state_dict_fns["zero3"] = load_or_die
     (out / f"built_g{args.group}_r{rank}").touch()
     if args.wait_for_group is not None and attempt == 0:
-        wait_for_group(out, args.wait_for_group, world)
+        wait_until(lambda: built(out, args.wait_for_group, world), f"group {args.wait_for_group}'s build")
+    if args.join_after_group is not None and attempt == 0:
+        wait_until(lambda: stepped(out, args.join_after_group), f"group {args.join_after_group}'s first step")
     log = (out / f"g{args.group}_r{rank}.jsonl").open("a")
     micro = engine.train_micro_batch_size_per_gpu()
     while engine.global_steps < args.steps:

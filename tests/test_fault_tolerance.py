@@ -31,8 +31,11 @@ DEADLINE_S = 240
 
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
-    # A dead group is dropped from the quorum after 1 s without heartbeats (torchft's default: 5 s).
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000)
+    # A dead group is dropped from the quorum after 1 s without heartbeats (torchft's default: 5 s). A group
+    # that asks for a quorum waits up to 3 s for the other live group to ask too: longer than a group training
+    # alone waits between its steps (--alone-sleep 2), so two live groups never settle into quorums of one each,
+    # out of phase (each with min_replicas 1 would train on alone: a split the tests' kills would then land in).
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     yield server
     server.shutdown()
 
@@ -107,7 +110,7 @@ def test_a_group_killed_mid_step_rejoins_with_its_peers_state_bit_identical(tmp_
         start_group(tmp_path, lighthouse, group, "--steps", str(steps), "--offload-optimizer", "nvme",
                     "--nvme-path", str(tmp_path / f"nvme{group}"), *extra, restarts=restarts)
         for group, extra, restarts in ((0, ("--alone-sleep", "2", "--wait-for-group", "1"), 0),
-                                        (1, ("--kill", "0:4:mid_step"), 1))
+                                        (1, ("--kill", "0:4:mid_step", "--wait-for-group", "0"), 1))
     ]
     finish(tmp_path, groups)
     check_rejoined(tmp_path, killed_at=4, last_attempt=1, steps=steps)
@@ -123,7 +126,8 @@ def test_a_group_killed_in_its_quorum_then_in_its_recovery_retries_and_its_host_
     common = ["--steps", str(steps), "--precision", "bf16", "--offload-optimizer", "cpu", "--sync-quorum"]
     groups = [
         start_group(tmp_path, lighthouse, 0, *common, "--alone-sleep", "2", "--wait-for-group", "1"),
-        start_group(tmp_path, lighthouse, 1, *common, "--kill", "0:3:quorum", "--kill", "1:0:recovery", restarts=2),
+        start_group(tmp_path, lighthouse, 1, *common, "--kill", "0:3:quorum", "--kill", "1:0:recovery",
+                    "--wait-for-group", "0", restarts=2),
     ]
     finish(tmp_path, groups)
     assert not [line for line in records(tmp_path, 1, 0) if line["attempt"] == 1]  # died in its recovery
@@ -137,7 +141,8 @@ def test_a_peer_state_that_does_not_fit_is_refused_on_every_rank_of_the_joining_
     with nothing applied, and group 0 trains on to its end."""
     steps = 10
     groups = [start_group(tmp_path, lighthouse, 0, "--steps", str(steps), "--alone-sleep", "0.5"),
-              start_group(tmp_path, lighthouse, 1, "--steps", str(steps), "--optimizer", "Lion", "--start-delay", "2")]
+              start_group(tmp_path, lighthouse, 1, "--steps", str(steps), "--optimizer", "Lion",
+                          "--join-after-group", "0")]
     groups[1].wait(timeout=DEADLINE_S)
     assert groups[1].returncode != 0
     log = (tmp_path / "torchrun_g1.log").read_text()
