@@ -108,12 +108,11 @@ class FaultTolerantReplicas:
                  share: Callable[[Any], list[Any]]) -> None:
         setup = check_setup(config)
         manager_module, pg_module = _torchft()
-        host = setup.host
         # torchft meets this group's ranks (and the other groups their cross-replica groups) in a store. Not
         # torchrun's: that one outlives a restarted attempt, whose ranks would read the dead attempt's manager
         # address there (zero3.comm's [Note: one store namespace per attempt]). One made by this attempt's
         # rank 0 dies with it; its port reaches the other ranks over the engine's own group (`share`).
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+        self._store = dist.TCPStore(setup.host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
         store_port = share(self._store.port if self._store is not None else None)[0]
         timeout = timedelta(seconds=config.timeout_s)
         # The replicas' sum runs where the gradient shards live: gloo for host memory (the CPU, ZeRO-Offload).
@@ -126,7 +125,7 @@ class FaultTolerantReplicas:
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replicas,
             use_async_quorum=config.async_quorum, init_sync=config.init_sync, timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s), rank=dist.get_rank(),
-            world_size=dist.get_world_size(), store_addr=host, store_port=store_port, lighthouse_addr=setup.lighthouse,
+            world_size=dist.get_world_size(), store_addr=setup.host, store_port=store_port, lighthouse_addr=setup.lighthouse,
             replica_id=setup.replica_id,
         )
         self.manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)

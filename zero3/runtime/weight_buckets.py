@@ -171,6 +171,17 @@ def _in_place(bucket: list[tuple[str, ShardedParam]], dtype: torch.dtype) -> tor
     return buffer.view(first.offset, cursor - first.offset)
 
 
+def _read_own_shards(bucket: list[tuple[str, ShardedParam]], into: torch.Tensor, staging: GatherBuffer
+                     ) -> torch.Tensor:
+    """This rank's shards of the bucket, each read from wherever it lives and cast to `into`'s dtype, end to
+    end at the start of `into`: the part filled."""
+    cursor = 0
+    for _, sp in bucket:
+        read_own_shard(sp, into[cursor : cursor + sp.shard_numel], staging)
+        cursor += sp.shard_numel
+    return into[:cursor]
+
+
 class _BucketGather:
     """One bucket's gather under way: this rank's shards sent, the rank-major output still arriving."""
 
@@ -180,16 +191,11 @@ class _BucketGather:
         self.gather = gather
         self.pool = pool
         self.shard_numels = [sp.shard_numel for _, sp in bucket]
-        total = sum(self.shard_numels)
         own = _in_place(bucket, staging.dtype)  # this rank's shards, concatenated, in the asked dtype
         if own is None:  # on disk, cast, or not end to end: copied together
-            own = staging.take(total)
-            cursor = 0
-            for (_, sp), numel in zip(bucket, self.shard_numels):
-                read_own_shard(sp, own[cursor : cursor + numel], staging)
-                cursor += numel
+            own = _read_own_shards(bucket, staging.take(sum(self.shard_numels)), staging)
         self.wire = pool.take()  # the rank-major output
-        self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * total])
+        self.pending: PendingGather = gather.start(own, self.wire[: gather.mesh.shard_size * own.numel()])
 
     def finish(self, dtype: torch.dtype) -> WeightBucket:
         """Wait for the gather and lay each parameter out contiguously (a lone parameter's rank-major output
@@ -240,12 +246,8 @@ def _unsharded(planned: list[list[tuple[str, ShardedParam]]], pool: _BufferPool,
         if view is not None:
             yield WeightBucket(view, _entries(bucket, dtype), _record_event(device), None)
             continue
-        flat = pool.take()
-        cursor = 0
-        for _, sp in bucket:
-            read_own_shard(sp, flat[cursor : cursor + sp.shard_numel], staging)
-            cursor += sp.shard_numel
-        yield WeightBucket(flat[:cursor], _entries(bucket, dtype), _record_event(device), pool)
+        flat = _read_own_shards(bucket, pool.take(), staging)
+        yield WeightBucket(flat, _entries(bucket, dtype), _record_event(device), pool)
 
 
 def whole_params(bucketed: Iterator[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
