@@ -5,8 +5,8 @@
   as `__main__` (`runpy`): at world 1 in one process with no launcher's variables, as plain `python` runs
   it, or in 2 ranks with torchrun's variables when the page says `<!-- docs-test: world 2 -->`. The
   processes are forked from the suite's preloaded server (tests.distributed), which saves each page the
-  seconds a fresh interpreter spends importing torch and zero3. A block that cannot run here is marked on the line before its fence with
-  `<!-- docs-test: skip: <why> -->`; the reason is required.
+  seconds a fresh interpreter spends importing torch and zero3. A block that cannot run here is marked on
+  the line before its fence with `<!-- docs-test: skip: <why> -->`; the reason is required.
 * Every command in a ```bash block names something that exists: a `zero3` subcommand, a script in the
   repository (`python`, `torchrun`, `accelerate launch`, `bash`), or a module `python -m` can import.
 * Every relative link names a file that exists and, with `#anchor`, one of its headings.
@@ -122,7 +122,7 @@ def test_the_python_blocks_of_a_page_run(page: Path, tmp_path: Path) -> None:
     world = int(declared["world"]) if declared else 1
     try:
         run_ranks(world, run_page, str(script), str(tmp_path))
-    except mp.ProcessRaisedException as failure:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:  # raised, or exited (sys.exit)
         pytest.fail(f"{page_id(page)}'s python blocks failed at world {world}; the '# --- page:line' comments of "
                     f"{script} say which block a line is in:\n{failure}")
 
