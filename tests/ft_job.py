@@ -12,8 +12,8 @@ alone wait S seconds per step (so that a peer starting later, or killed, has
 time to join before the job ends). `--wait-for-group G` holds the first
 attempt's training until group G's ranks have built their engines (two groups
 that wait for each other ask for their first quorum together);
-`--join-after-group G` until group G has recorded a step (this group joins
-behind it, by recovery). Each rank writes, per step, a
+`--join-after-group G` holds the first attempt, before it builds anything,
+until group G has recorded a step (this group joins behind it, by recovery). Each rank writes, per step, a
 JSON line to OUT/g<G>_r<rank>.jsonl: the step, the attempt, the loss, the
 number of groups in the step's quorum, whether it committed, whether this
 rank took its state from a peer, and a digest of its whole state after the
@@ -61,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--wait-for-group", type=int, default=None,
                         help="in the first attempt, start training once that group's ranks have built their engines")
     parser.add_argument("--join-after-group", type=int, default=None,
-                        help="in the first attempt, start training once that group's rank 0 has recorded a step")
+                        help="in the first attempt, build the engine once that group's rank 0 has recorded a step")
     return parser.parse_args(argv)
 
 
@@ -150,6 +150,10 @@ def train(argv: list[str]) -> None:
     args = parse(argv)
     out = Path(args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.join_after_group is not None and attempt == 0:
+        # Before this group builds its engine: a built engine's torchft Manager heartbeats to the lighthouse,
+        # which then held the other group's first quorum for this one (60 s, to its timeout, in a CI run).
+        wait_until(lambda: stepped(out, args.join_after_group), f"group {args.join_after_group}'s first step")
     torch.set_num_threads(1)
     zero3.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -178,8 +182,6 @@ def train(argv: list[str]) -> None:
     (out / f"built_g{args.group}_r{rank}").touch()
     if args.wait_for_group is not None and attempt == 0:
         wait_until(lambda: built(out, args.wait_for_group, world), f"group {args.wait_for_group}'s build")
-    if args.join_after_group is not None and attempt == 0:
-        wait_until(lambda: stepped(out, args.join_after_group), f"group {args.join_after_group}'s first step")
     log = (out / f"g{args.group}_r{rank}.jsonl").open("a")
     micro = engine.train_micro_batch_size_per_gpu()
     while engine.global_steps < args.steps:

@@ -140,7 +140,8 @@ def test_a_peer_state_that_does_not_fit_is_refused_on_every_rank_of_the_joining_
     """Group 1 runs another optimizer (another layout): it raises on both ranks when group 0's state arrives,
     with nothing applied, and group 0 trains on to its end."""
     steps = 10
-    groups = [start_group(tmp_path, lighthouse, 0, "--steps", str(steps), "--alone-sleep", "0.5"),
+    # Group 0 waits 2 s a step while alone, so that group 1, built after group 0's first step, meets it.
+    groups = [start_group(tmp_path, lighthouse, 0, "--steps", str(steps), "--alone-sleep", "2"),
               start_group(tmp_path, lighthouse, 1, "--steps", str(steps), "--optimizer", "Lion",
                           "--join-after-group", "0")]
     groups[1].wait(timeout=DEADLINE_S)
