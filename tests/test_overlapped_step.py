@@ -3,7 +3,7 @@ host thread as their gradients land during the backward, and the step keeps or u
 training is bit-identical to the step after the backward (zero3.runtime.early_step's Note). At 2 ranks, in
 bf16 and fp32, against the same engine without it: losses, masters and moments equal after several steps
 where the early steps are kept (unclipped, with gradient accumulation, with the 16-bit shards on disk), where they are undone (every step
-clipped; an fp16 overflow; the learning rate changed between backward and step; an accessor reading the
+clipped: once, the backwards after a refused step speculate nothing; clipped, then not: speculating again; an fp16 overflow; the learning rate changed between backward and step; an accessor reading the
 masters there; offload_states and reload_states there), and where an early step fails on one rank (every rank raises, the step lands nowhere)."""
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def train(rank: int, world: int, cfg: dict[str, Any], between: Callable[[Any, to
             losses.append(loss.item())
     early = engine.optimizer.early
     stats = None if early is None else {"kept": early.stats.kept, "undone": early.stats.undone,
-                                        "reasons": dict(early.stats.undone_reasons)}
+                                        "reasons": dict(early.stats.undone_reasons),
+                                        "skipped": early.stats.skipped,
+                                        "skipped_reasons": dict(early.stats.skipped_reasons)}
     out = {"losses": losses, "states": states(engine, model), "stats": stats,
            "skipped": engine.skipped_steps}
     engine.destroy()
@@ -97,13 +99,18 @@ def compare(rank: int, world: int, case: str) -> dict[str, Any]:
     def read_a_master(engine: Any, model: Any, step: int) -> None:
         reads.append(zero3.safe_get_full_fp32_param(model.head.weight).clone())
 
+    def stop_clipping(engine: Any, model: Any, step: int) -> None:
+        if step == 2:  # steps 0 and 1 clipped; from step 2 on the norm is under the threshold
+            engine.optimizer.gradient_clipping = 100.0
+
     kwargs: dict[str, Any] = {"precision": "bf16", "clip": 100.0}  # configured, never reached
-    between = {"lr changed": change_lr, "parked": park, "accessor": read_a_master}.get(case)
+    between = {"lr changed": change_lr, "parked": park, "accessor": read_a_master,
+               "clipped, then not": stop_clipping}.get(case)
     if case == "fp32":
         kwargs = {"precision": "fp32", "clip": 0.0}
     elif case == "accumulated":
         kwargs["gas"] = 2
-    elif case == "clipped":
+    elif case in ("clipped", "clipped, then not"):
         kwargs["clip"] = 1e-4
     elif case == "fp16 overflow":
         kwargs = {"precision": "fp32", "clip": 100.0, "fp16_scale_power": 24}
@@ -133,6 +140,7 @@ CASES = {
     "params on disk": (True, None),
     "accumulated": (True, None),
     "clipped": (False, "the gradients are clipped"),
+    "clipped, then not": (True, "the gradients are clipped"),
     "fp16 overflow": (None, "zero_grad dropped the gradients"),
     "lr changed": (False, "the hyperparameters changed"),
     "accessor": (False, "an accessor read or wrote the optimizer's state"),
@@ -157,6 +165,15 @@ def test_overlapped_host_step_trains_bit_identically(case: str) -> None:
             assert out["skipped"][0] > 0, out  # the case overflowed at least once
         if case == "accessor":
             assert out["reads"], out  # the reader saw the masters as before the step
+        # After a step refused for its values, the next backward steps nothing early: every step clipped is
+        # speculated once (step 0); clipped then not, the backward after the first unclipped step speculates.
+        if case == "clipped":
+            assert stats["skipped"] == STEPS - 1 and stats["undone"] > 0, stats
+            assert stats["skipped_reasons"] == {"the gradients are clipped": STEPS - 1}, stats
+        elif case == "clipped, then not":
+            assert stats["skipped"] == 2 and stats["kept"] > 0, stats  # steps 1 and 2; step 3 kept
+        else:
+            assert stats["skipped"] == 0, stats
 
 
 def failing_early_step(rank: int, world: int) -> dict[str, Any]:

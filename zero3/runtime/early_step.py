@@ -33,6 +33,14 @@ states, safe_set of gradients, another backward) first waits for the early
 steps and undoes them, so no one sees a speculated value. (Reading the
 gradients needs nothing: the early steps leave lp_grads as it was.)
 
+A step refused for what the gradients held (clipped, or not finite) is
+likely followed by another: early in training the gradient norm stays above
+`gradient_clipping` for many steps, and every early step would be undone and
+stepped again (the host step's cost twice over). So after such a step the
+next backward steps nothing early (`skipped`); the step after one whose
+gradients would have kept its early steps speculates again. The step decides
+either way, so what is skipped changes no value, only when it is computed.
+
 The price is host memory: each early-stepped sub-group's window is held,
 copied, until the step (at most the whole optimizer state again), and a
 host thread. A gradient reaches lp_grads when its bucket's reduction lands,
@@ -77,6 +85,8 @@ class EarlyStepStats:
     kept: int = 0  # sub-groups whose early step was kept
     undone: int = 0  # sub-groups whose early step was undone
     undone_reasons: dict[str, int] = field(default_factory=dict)
+    skipped: int = 0  # boundary backwards that stepped nothing early: the step before was refused for its values
+    skipped_reasons: dict[str, int] = field(default_factory=dict)
     # The last boundary step: seconds from the backward's start to each early step's start and end, and
     # to the backward's end (the timeline benchmarks/offload_overlap.py prints).
     last_timeline: list[tuple[float, float]] = field(default_factory=list)
@@ -133,6 +143,8 @@ class EarlySteps:
         self._computed = False
         self._submitted = 0
         self._done: list[_Early] = []
+        # Why the last step would have refused early steps for its gradients' values (see the Note), if so.
+        self._refused_last: str | None = None
 
     @property
     def armed(self) -> bool:
@@ -142,6 +154,10 @@ class EarlySteps:
         """The boundary micro-step's backward begins: sub-groups step as their gradients land."""
         if self._armed:
             self.undo("another backward before the step")
+        if self._refused_last is not None:  # likely refused again: step after the backward, once
+            self.stats.skipped += 1
+            self.stats.skipped_reasons[self._refused_last] = self.stats.skipped_reasons.get(self._refused_last, 0) + 1
+            return
         optimizer = self.optimizer
         if any(buffer.parked for buffer in optimizer.states.buffers.values()):
             return  # parked by offload_states: the step is refused until reload_states, so nothing steps early
@@ -172,6 +188,11 @@ class EarlySteps:
                 self._waiting[index] -= 1
                 if self._waiting[index] == 0 and all(arrived[other] for other in self._params_of[index]):
                     self._submit(index)
+
+    def values_refused(self, why: str | None) -> None:
+        """What this step's gradients said, armed or not: `why` the early steps would not be its operation
+        (clipped, not finite), or None where they would be. The next backward speculates only after None."""
+        self._refused_last = why
 
     def late_gradients(self) -> None:
         """A late round added gradients after their buckets had landed (the early steps used too few)."""

@@ -539,15 +539,20 @@ class ZeroOptimizer:
             self.skipped.add_(1)
             self.zero_grad()
             return True, norm
-        # Why the backward's early steps are not this step's operation, if they are not (one host read).
+        # Why the backward's early steps are not this step's operation, if they are not (one host read). Asked
+        # at every step of an overlapped host step, armed or not: the next backward speculates only after a
+        # step whose values would have kept it (zero3.runtime.early_step's Note).
+        judged = self.early is not None
         why_not: str | None = None
-        if early is not None and found_inf is not None and bool(overflow.item()):
+        if judged and found_inf is not None and bool(overflow.item()):
             why_not = "a gradient is not finite"
         coefficient: torch.Tensor | None = None
         if self.gradient_clipping > 0:
             coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
-            if early is not None and why_not is None and bool(coefficient != 1.0):
+            if judged and why_not is None and bool(coefficient != 1.0):
                 why_not = "the gradients are clipped"  # (x * 1 is x: unclipped, the early steps made this step)
+        if self.early is not None:
+            self.early.values_refused(why_not)
             if scale != 1.0:
                 coefficient.mul_(1.0 / scale)
         elif scale != 1.0:
