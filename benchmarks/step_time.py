@@ -81,7 +81,7 @@ from zero3.cli import non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 from zero3.models.gpt import GPT, GPTConfig
 
-ENGINES = ("zero3", "zero3-persist0", "zero3-ckpt", "zero3-overlap", "fsdp2", "deepspeed", "ddp")
+ENGINES = ("zero3", "zero3-persist0", "zero3-lean", "zero3-ckpt", "zero3-overlap", "fsdp2", "deepspeed", "ddp")
 # zero3's host step overlapped with the backward: sub-groups this large land several to a backward.
 OVERLAP_SUB_GROUP_SIZE = 10_000_000
 _REPO = Path(__file__).resolve().parent.parent
@@ -303,12 +303,15 @@ def _device(job: Job) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if job.device == "cuda" else torch.device("cpu")
 
 
-def _build_zero3(job: Job, threshold: int | None, checkpoints: bool = False, overlapped: bool = False):
+def _build_zero3(job: Job, threshold: int | None, checkpoints: bool = False, overlapped: bool = False,
+                 lean: bool = False):
     import zero3
 
     cfg = ds_config(job.micro_batch, threshold, job.offload_optimizer, job.precision, job.reduce_bucket_size,
                     json.loads(job.optimizer) if job.optimizer else None, job.prefetch_bucket_size)
     cfg["wall_clock_breakdown"] = job.breakdown
+    if lean:  # no resident 16-bit shards: each gather casts from the fp32 masters (issue 43 item 1)
+        cfg["zero_optimization"]["lean_memory"] = True
     if overlapped:
         cfg["zero_optimization"]["offload_optimizer"]["super_offload"] = True
         cfg["zero_optimization"]["sub_group_size"] = OVERLAP_SUB_GROUP_SIZE
@@ -411,6 +414,8 @@ def _build(job: Job):
         return _build_zero3(job, None)
     if job.engine == "zero3-persist0":
         return _build_zero3(job, 0)
+    if job.engine == "zero3-lean":
+        return _build_zero3(job, None, lean=True)
     if job.engine == "zero3-ckpt":
         return _build_zero3(job, None, checkpoints=True)
     if job.engine == "zero3-overlap":
@@ -857,12 +862,12 @@ def print_memory(results: dict[str, Any], console: Any) -> None:
 
 
 def ratios(engines: dict[str, Any]) -> dict[str, float]:
-    """zero3's (and zero3-persist0's) step time and peak memory over every other engine's."""
+    """zero3's (and zero3-persist0's, zero3-lean's) step time and peak memory over every other engine's."""
     out: dict[str, float] = {}
     ckpt, plain = engines.get("zero3-ckpt"), engines.get("zero3")
     if ckpt and plain and "error" not in ckpt and "error" not in plain:
         out["zero3-ckpt/zero3 median step time"] = ckpt["median_ms"] / plain["median_ms"]
-    for name in ("zero3", "zero3-persist0"):
+    for name in ("zero3", "zero3-persist0", "zero3-lean"):
         res = engines.get(name)
         if not res or "error" in res:
             continue
@@ -905,7 +910,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per rank per step")
     p.add_argument("--nproc", type=positive_int, default=2, help="ranks (world size)")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--engines", default=",".join(e for e in ENGINES if e != "zero3-overlap"),
+    p.add_argument("--engines", default=",".join(e for e in ENGINES if e not in ("zero3-overlap", "zero3-lean")),
                    help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                    help="ZeRO-Offload for zero3 and DeepSpeed (fsdp2 has no optimizer offload: it is skipped)")

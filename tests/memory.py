@@ -1,5 +1,6 @@
-"""Peak CPU memory of a call, from the profiler's record of every allocation (not RSS: glibc keeps freed
-memory, per thread arena, in a way that varies run to run)."""
+"""Peak memory of a call: on the CPU from the profiler's record of every allocation (not RSS: glibc keeps
+freed memory, per thread arena, in a way that varies run to run); on a GPU from the caching allocator's
+own peak."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import tempfile
 import threading
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def peak_extra_device_bytes(run: Any, device: torch.device) -> dict[str, int]:
+    """Peak device bytes allocated (net) while `run()` runs, from the CUDA caching allocator's peak. NCCL
+    writes a gather in place (no staging of its own), so "all" and "engine" are the same figure."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    return {"all": peak, "engine": peak}
 
 
 def peak_extra_bytes(run: Any) -> dict[str, int]:

@@ -17,6 +17,7 @@ from torch import nn
 
 import zero3
 from tests import models
+from tests.devices import worlds_on_devices
 from tests.distributed import run_ranks
 from zero3.config import ConfigError, load_config
 
@@ -106,8 +107,8 @@ def optimizers_alike(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_lean_memory_trains_bit_identically_with_every_optimizer(world: int) -> None:
+@worlds_on_devices(1, 2)
+def test_lean_memory_trains_bit_identically_with_every_optimizer(world: int, device: str) -> None:
     for out in run_ranks(world, optimizers_alike):
         frozen = out.pop("frozen_shard_bytes")
         for name, found in out.items():
