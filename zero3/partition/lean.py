@@ -28,25 +28,49 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from zero3.offload.optimizer_tier import masters_are_shards
-from zero3.partition.flat_buffer import Slot
+from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 from zero3.partition.unit import GatherUnit
 
 
 class MasterCast:
-    """A lean unit's shard source: its parameters' fp32 masters, cast to the unit's dtype on `device`."""
+    """A lean unit's shard source: its parameters' fp32 masters, cast to the unit's dtype on `device`.
+
+    `acquire` runs for every gather of a lean unit (the forward's, and the backward's again), so what it
+    can know ahead it keeps: per unit, the masters' range when they lie end to end in one buffer (one
+    cast), else their slots (one multi-tensor cast)."""
+
+    # A world of one gathers the shard as it is: the fresh tensor `acquire` hands over is nobody else's, so
+    # the gather takes it as the gathered values (no copy).
+    hands_over_fresh = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._plans: dict[GatherUnit, tuple[FlatBuffer, int] | list[Slot]] = {}
+
+    def _plan(self, unit: GatherUnit) -> tuple[FlatBuffer, int] | list[Slot]:
+        plan = self._plans.get(unit)
+        if plan is None:
+            slots = []
+            for sp in unit.params:
+                assert sp.lean_master is not None, f"{sp.name} is not a lean parameter"
+                slots.append(sp.lean_master)
+            end_to_end = all(a.buffer is slots[0].buffer and a.offset + a.numel == b.offset
+                             for a, b in zip(slots, slots[1:]))
+            end_to_end = end_to_end and all(slot.numel == sp.shard_numel for slot, sp in zip(slots, unit.params))
+            plan = (slots[0].buffer, slots[0].offset) if end_to_end else slots
+            self._plans[unit] = plan
+        return plan
 
     def acquire(self, unit: GatherUnit) -> torch.Tensor:
         shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=self.device)
+        plan = self._plan(unit)
+        if isinstance(plan, tuple):
+            buffer, offset = plan
+            shard.copy_(buffer.view(offset, unit.shard_numel), non_blocking=True)
+            return shard
         pieces = list(shard.split([sp.shard_numel for sp in unit.params]))
-        masters = []
-        for sp in unit.params:
-            assert sp.lean_master is not None, f"{sp.name} is not a lean parameter"
-            masters.append(sp.lean_master.view())
-        torch._foreach_copy_(pieces, masters, non_blocking=True)
+        torch._foreach_copy_(pieces, [slot.view() for slot in plan], non_blocking=True)
         return shard
 
 

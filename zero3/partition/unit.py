@@ -196,6 +196,8 @@ class GatherUnit:
         if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
             self._pending = PendingGather(self.lp_slot.view(), None)
+        elif not self.gather.mesh.sharded and getattr(self.source, "hands_over_fresh", False):
+            self._pending = PendingGather(self.local_shard(), None)  # (a fresh shard is the whole value)
         elif exact and self.gather.codec is not None:
             self._pending = self.gather.exact().start(self.local_shard())
         else:
