@@ -139,16 +139,31 @@ def test_a_worker_failure_prints_the_workers_error(tmp_path: Path) -> None:
     assert last_lines[-1].startswith("zero3 train: the workers' logs are in ")
 
 
-def _run_train(*extra: str) -> subprocess.CompletedProcess:
-    """`zero3 train` of a tiny GPT at 2 ranks in a fresh process (zero3 from this checkout)."""
+def _train_command(*extra: str) -> tuple[list[str], dict[str, str]]:
+    """`zero3 train` of a tiny GPT at 2 ranks in a fresh process (zero3 from this checkout): command, env."""
     argv = ["train", "--nproc", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
             "--micro-batch", "2", "--precision", "fp32", *extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
+    return [sys.executable, "-c", f"import sys, zero3.cli; sys.exit(zero3.cli.main({argv!r}))"], env
+
+
+def _run_train(*extra: str) -> subprocess.CompletedProcess:
+    command, env = _train_command(*extra)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _start_train(*extra: str) -> subprocess.Popen:
+    """`_run_train` started in the background (a reference run beside the run under test)."""
+    command, env = _train_command(*extra)
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(job: subprocess.Popen) -> str:
+    """A background `_start_train` that must succeed: its stdout."""
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, out + err
+    return out
 
 
 def _train(*extra: str) -> str:
@@ -166,12 +181,13 @@ def _final_loss(output: str) -> str:
 @pytest.mark.timeout(300)
 def test_cli_train_saves_and_resumes_as_if_it_never_stopped(tmp_path: Path) -> None:
     save_dir = tmp_path / "ckpt"
+    straight_job = _start_train("--steps", "4")  # the uninterrupted run, beside the stopped one (independent)
     _train("--steps", "2", "--save-dir", str(save_dir))
     assert (save_dir / "latest").read_text().strip() == "global_step2"
     resumed = _train("--steps", "4", "--save-dir", str(save_dir), "--resume", "--save-every", "1")
     assert "at step 2" in resumed, resumed
     assert (save_dir / "latest").read_text().strip() == "global_step4"
-    straight = _train("--steps", "4")
+    straight = _finish(straight_job)
     assert _final_loss(resumed) == _final_loss(straight)
     assert cli.main(["train", "--resume"]) == 2  # needs --save-dir
 
@@ -187,6 +203,9 @@ def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-c", "import sys, zero3.cli; sys.exit(zero3.cli.main(sys.argv[1:]))"]
+    # The uninterrupted run goes beside the one under test (independent: its own ports, no checkpoints).
+    straight_job = subprocess.Popen([*command, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
     job = subprocess.Popen([*command, *argv, "--save-dir", str(save_dir), "--save-every", "4", "--max-restarts", "2"],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 200
@@ -198,9 +217,9 @@ def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp
     out, err = job.communicate(timeout=300)
     assert job.returncode == 0, out + err
     assert "(restart 1)" in out and "resumed from" in out, out
-    straight = subprocess.run([*command, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    assert _final_loss(out) == _final_loss(straight.stdout)
+    straight_out, straight_err = straight_job.communicate(timeout=300)
+    assert straight_job.returncode == 0, straight_out + straight_err
+    assert _final_loss(out) == _final_loss(straight_out)
 
 
 @pytest.mark.timeout(300)
@@ -221,14 +240,16 @@ def test_train_on_two_nodes_ends_like_one_node_of_the_same_world(tmp_path: Path)
     nodes = [*argv, "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     agents = [subprocess.Popen([*command, *nodes], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True) for _ in range(2)]
+    # The one-node run beside the two nodes (independent: a standalone rendezvous of its own).
+    one_node = subprocess.Popen([*command, *argv, "--nproc", "4"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     outputs = [agent.communicate(timeout=240) for agent in agents]
     assert all(agent.returncode == 0 for agent in agents), outputs
     printed = [out for out, _ in outputs if "final loss" in out]
     assert len(printed) == 1  # global rank 0 reports, on its node
-    one_node = subprocess.run([*command, *argv, "--nproc", "4"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=240)
-    assert one_node.returncode == 0, one_node.stdout + one_node.stderr
-    assert _final_loss(printed[0]) == _final_loss(one_node.stdout)
+    one_out, one_err = one_node.communicate(timeout=240)
+    assert one_node.returncode == 0, one_out + one_err
+    assert _final_loss(printed[0]) == _final_loss(one_out)
 
 
 def test_train_on_several_nodes_needs_a_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,19 +10,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(tmp: Path, ckpt: str, steps: int) -> str:
+def start(tmp: Path, ckpt: str, steps: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--ckpt", ckpt, "--steps", str(steps),
-                           "--save-every", "5", "--n-embd", "32"],
-                          cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
+    return subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), "--ckpt", ckpt, "--steps", str(steps),
+                             "--save-every", "5", "--n-embd", "32"],
+                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(job: subprocess.Popen) -> str:
+    out, err = job.communicate(timeout=180)
+    assert job.returncode == 0, err[-4000:]
+    return out
 
 
 def test_a_stopped_run_started_again_goes_on_as_if_it_never_stopped(tmp_path: Path) -> None:
-    straight = run(tmp_path, "straight", 10)
-    first = run(tmp_path, "stopped", 5)
-    second = run(tmp_path, "stopped", 10)
+    straight_job = start(tmp_path, "straight", 10)  # beside the stopped run: independent, a checkpoint dir of its own
+    first = finish(start(tmp_path, "stopped", 5))
+    second = finish(start(tmp_path, "stopped", 10))
+    straight = finish(straight_job)
     assert "resumed" not in first
     assert "resumed at step 5" in second
     loss_line = [line for line in straight.splitlines() if line.startswith("step 10:")]
