@@ -259,7 +259,29 @@ def render_offload_overlap(run: dict[str, Any]) -> str:
             + f"\n\nRank 0's last overlapped step: {last['early']} of {last['sub_groups']} sub-groups stepped early, "
             f"{last['begun_inside']} begun before its backward's computation ended ({last['backward_s'] * 1e3:.0f} ms), "
             f"{last['inside_s'] * 1e3:.0f} ms of host step inside it; over the run {last['kept']} sub-group steps "
-            f"kept, {last['undone']} undone.\n\n" + provenance_line(run))
+            f"kept, {last['undone']} undone"
+            + (f", {last['skipped']} backwards speculated nothing (the step before was clipped)" if last.get("skipped") else "")
+            + ".\n\n" + provenance_line(run))
+
+
+# ---- gpu_offload.py ------------------------------------------------------------------------------------------
+
+def render_gpu_offload(run: dict[str, Any]) -> str:
+    """The first offload of a large model with its pinned buffers made ahead, while training goes on."""
+    steps, pin_s = run["step_s"], run["pin_s"]
+    rows = [[str(r["cycle"]), f"**{r['offload_s']:.3f}**", f"{run['state_bytes'] / r['offload_s'] / 1e9:.1f}",
+             f"{r['reload_s']:.3f}", f"{run['state_bytes'] / r['reload_s'] / 1e9:.1f}"] for r in run["rows"]]
+    pinned = run["host_memory_stats"].get("allocated_bytes.current", 0)
+    how = "registered pages" if "host_register:True" in run["alloc_conf"] else "the allocator's pinned allocation"
+    return (f"GPT, {run['params'] / 1e6:,.1f}M parameters, {run['state_bytes'] / 2**30:.2f} GiB of states, world 1, "
+            f"bf16; `engine.pin_offload_buffers()` right after `initialize`, with {how} "
+            f"(`PYTORCH_CUDA_ALLOC_CONF={run['alloc_conf']!r}`), while {len(steps)} steps train.\n\n"
+            f"Pinned {'within' if run['pinned_within_steps'] else 'after'} the steps ({pin_s:.2f} s from the call "
+            f"to the steps' end and the buffers settled). Steps: the first {steps[0]:.3f} s, the rest median "
+            f"{statistics.median(steps[1:]):.3f} s, longest {max(steps[1:]):.3f} s. Torch's host allocator holds "
+            f"{pinned / 2**20:,.0f} MiB of pinned memory for them (each block rounded up to a power of two).\n\n"
+            + table(["cycle", "offload_states s", "GB/s", "reload_states s", "GB/s"], rows)
+            + "\n\n" + provenance_line(run))
 
 
 # ---- fault_tolerance.py ---------------------------------------------------------------------------------------
@@ -298,7 +320,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_ste
                                                           "recovery": render_recovery, "rlhf": render_rlhf,
                                                           "comm_volume": render_comm_volume,
                                                           "zeropp_loss": render_zeropp_loss,
-                                                          "weight_sync": render_weight_sync}
+                                                          "weight_sync": render_weight_sync,
+                                                          "gpu_offload": render_gpu_offload}
 
 
 def kind(name: str) -> str:

@@ -117,9 +117,11 @@ def main() -> None:
               f" {state_bytes / r['reload_s'] / 1e9:.2f} | {r['device_bytes_before'] / 2**20:,.1f} |"
               f" {r['device_bytes_after'] / 2**20:,.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"params": params, "state_bytes": state_bytes, "rows": rows,
+    from provenance import provenance  # benchmarks/provenance.py, beside this script
+
+    args.out.write_text(json.dumps({"benchmark": "gpu_offload", "provenance": provenance(), "params": params, "state_bytes": state_bytes, "rows": rows,
                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                                    "pin_ahead": args.pin_ahead, "pin_s": pin_s, "step_s": step_s,
+                                    "pin_ahead": args.pin_ahead, "pin_s": pin_s, "pinned_within_steps": pinned_within_steps, "step_s": step_s,
                                     "host_memory_stats": {k: v for k, v in host_stats.items()
                                                           if "bytes" in k and "current" in k or "peak" in k}},
                                    indent=2, default=str))

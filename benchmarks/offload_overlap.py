@@ -87,7 +87,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     if early is not None:
         stats = early.stats
         out["early"] = {"kept": stats.kept, "undone": stats.undone, "undone_reasons": dict(stats.undone_reasons),
-                        "timeline": stats.last_timeline, "backward_s": stats.last_backward_s}
+                        "skipped": stats.skipped, "timeline": stats.last_timeline, "backward_s": stats.last_backward_s}
     engine.destroy()
     dist.destroy_process_group()
     return out
@@ -101,7 +101,8 @@ def last_step_overlap(run: dict[str, Any]) -> dict[str, Any]:
     during = [(start, end) for start, end in timeline if start < backward_s]
     return {"sub_groups": run["sub_groups"], "early": len(timeline), "begun_inside": len(during),
             "backward_s": backward_s, "inside_s": sum(min(end, backward_s) - start for start, end in during),
-            "kept": early["kept"], "undone": early["undone"], "undone_reasons": early["undone_reasons"]}
+            "kept": early["kept"], "undone": early["undone"], "undone_reasons": early["undone_reasons"],
+            "skipped": early["skipped"]}
 
 
 def launch(args: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     timeline, backward_s = last["early"]["timeline"], overlap["backward_s"]
     print(f"sub-groups stepped early and kept, over the last run: {overlap['kept']} "
           f"(of {overlap['sub_groups']} a step x {args.warmup + args.steps} steps); undone: {overlap['undone']} "
-          f"{overlap['undone_reasons'] or ''}")
+          f"{overlap['undone_reasons'] or ''}; backwards that stepped nothing early (the step before was clipped or "
+          f"not finite): {overlap['skipped']}")
     print(f"rank 0's last step: {overlap['early']} of {overlap['sub_groups']} sub-groups stepped early, "
           f"{overlap['begun_inside']} of them begun before its backward's computation ended ({backward_s * 1e3:.0f} "
           f"ms); {overlap['inside_s'] * 1e3:.0f} ms of host step ran inside it")
