@@ -10,11 +10,11 @@
 #            pytest-xdist is there
 #   small    step_time --device cuda, GPT 16 x 768 (113M), zero3 vs DDP, FSDP2 (and DeepSpeed), alternated,
 #            then one torch.profiler run per engine (--breakdown: where the step goes)
-#   large    the same at 20 x 2304 (1.27B), without the profiler run
+#   large    the same at 20 x 2304 (1.27B), with zero3-lean (lean_memory) too, without the profiler run
 #   zoffload ZeRO-Offload (offload_optimizer: cpu) at 113M, zero3 (after the backward, and overlapped with
 #            it: super_offload) vs DeepSpeed's
 #   profile  a torch.profiler trace of zero3 and DDP at 113M (the top ops, per engine)
-#   peakmem  the allocations alive at the device memory's peak, by allocating code, zero3 vs FSDP2 at 1.27B
+#   peakmem  the allocations alive at the device memory's peak, by allocating code, zero3 (and lean) vs FSDP2 at 1.27B
 #   offload  gpu_offload.py at 1.27B, pinned ahead (engine.pin_offload_buffers) while 30 steps train:
 #            with the allocator's pinned allocation, then with registered pages
 #   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
@@ -55,7 +55,8 @@ for phase in "$@"; do
         --out "$work/step_small.json" > "$work/small.log" 2>&1
       echo "rc $?"; tail -30 "$work/small.log" ;;
     large)
-      timeout "$(limit large 120)" python3 benchmarks/step_time.py --engines "$engines" --n-layer 20 --n-embd 2304 \
+      # zero3-lean beside them: lean_memory's peak against FSDP2's is issue 43's item 1
+      timeout "$(limit large 150)" python3 benchmarks/step_time.py --engines "${LARGE_ENGINES:-$engines,zero3-lean}" --n-layer 20 --n-embd 2304 \
         --n-head 18 "${seq[@]}" --steps "${STEPS_LARGE:-10}" --warmup 2 --rounds "${ROUNDS_LARGE:-2}" \
         --out "$work/step_large.json" > "$work/large.log" 2>&1
       echo "rc $?"; tail -30 "$work/large.log" ;;
@@ -72,7 +73,7 @@ for phase in "$@"; do
     peakmem)
       # Where the device memory goes at its peak (1.27B, zero3 vs FSDP2): allocations alive at the highest
       # point, by the code that made them (<engine>_peak_memory.txt).
-      timeout "$(limit peakmem 120)" python3 benchmarks/step_time.py --engines zero3,fsdp2 --n-layer 20 \
+      timeout "$(limit peakmem 150)" python3 benchmarks/step_time.py --engines zero3,zero3-lean,fsdp2 --n-layer 20 \
         --n-embd 2304 --n-head 18 "${seq[@]}" --steps 3 --warmup 2 --trace "$work" \
         --out "$work/step_peakmem.json" > "$work/peakmem.log" 2>&1
       echo "rc $?"; tail -8 "$work/peakmem.log"; cat "$work"/*_peak_memory.txt ;;
