@@ -16,6 +16,7 @@ from tests import models
 from tests.distributed import run_ranks
 from tests.test_full_params import build
 from zero3.comm import Communicator
+from zero3.runtime import full_params, weight_buckets
 
 BUCKET_BYTES = 6000  # a few parameters of the small transformer per bucket, its embedding alone
 
@@ -35,7 +36,11 @@ def alike(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) 
         x[n].dtype == y[n].dtype and x[n].shape == y[n].shape and torch.equal(x[n], y[n]) for n in x)
 
 
+ALONE_FROM_BYTES = 1000  # in these ranks: the small transformer's matrices gathered alone, its vectors packed
+
+
 def streams(rank: int, world: int, root: str) -> dict[str, Any]:
+    weight_buckets.ALONE_FROM_BYTES = ALONE_FROM_BYTES  # (a forked rank of its own: nothing else sees it)
     out: dict[str, Any] = {}
     cases = [("fp32", "none", {}), ("bf16", "none", {}), ("bf16", "params_nvme", {}), ("bf16", "lean", {})]
     for precision, tier, _ in cases:
@@ -109,6 +114,29 @@ def bucket_behaviour(engine: zero3.ZeroEngine, world: int) -> dict[str, Any]:
         "views": sum(bucket.flat.untyped_storage().data_ptr() == lp.untyped_storage().data_ptr() for bucket, _ in buckets),
         "largest": max(bucket.nbytes for bucket, _ in buckets),
     }
+
+
+def test_on_the_host_a_large_parameter_is_gathered_in_a_bucket_of_its_own() -> None:
+    """A packed bucket's layout copy costs more than a gather of its own for a large parameter in host memory:
+    one of at least `alone_from` bytes goes alone (its rank-major output is its value), the rest still packed,
+    in storage order."""
+    engine, _ = build("fp32", "unused")
+    try:
+        chosen = full_params.select(engine.module, None)  # what the stream would send, each parameter once
+        sizes = {name: sp.padded_numel * 4 for name, sp in chosen}
+        alone_from = max(sizes.values())  # the largest parameters go alone, the rest pack between them
+        planned = weight_buckets.plan(chosen, torch.float32, 1 << 30, alone_from)
+        bucket_of = {name: index for index, bucket in enumerate(planned) for name, _ in bucket}
+        ordered = [name for name, _ in weight_buckets.storage_order(chosen)]
+        assert [name for bucket in planned for name, _ in bucket] == ordered  # nothing reordered, none lost
+        for bucket in planned:
+            if any(sizes[name] >= alone_from for name, _ in bucket):
+                assert len(bucket) == 1, bucket  # a large one alone
+        small_pairs = [(a, b) for a, b in zip(ordered, ordered[1:]) if max(sizes[a], sizes[b]) < alone_from]
+        assert small_pairs and all(bucket_of[a] == bucket_of[b] for a, b in small_pairs)  # the rest packed
+        assert weight_buckets.plan(chosen, torch.float32, 1 << 30) == [weight_buckets.storage_order(chosen)]
+    finally:
+        engine.destroy()
 
 
 @pytest.mark.parametrize("world", [1, 2])

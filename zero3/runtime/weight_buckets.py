@@ -10,6 +10,11 @@ this rank's shards of the bucket, cast to the asked dtype, concatenated; the
 rank-major result is laid out so that each parameter's value is contiguous in
 the bucket's `flat` tensor, at its entry's `offset`.
 
+Where the ranks gather host memory, a parameter of at least `ALONE_FROM_BYTES`
+gets a bucket of its own too: its rank-major output already is its value,
+where a packed bucket pays a copy to lay each parameter out, and on the CPU
+that copy costs more than a collective's latency (on a GPU the reverse).
+
 Parameters are packed in the order their shards are stored (each 16-bit
 buffer's, from its start), not in `named_parameters` order, which
 interleaves units with the persistent parameters kept together at the
@@ -87,6 +92,11 @@ class WeightBucket:
         self.released = True
 
 
+# A parameter at least this large (padded, in the asked dtype) gets a bucket of its own when the ranks gather
+# host memory (see `buckets`): measured on benchmarks/weight_sync.py's 12 x 1024 model at 2 ranks.
+ALONE_FROM_BYTES = 1 << 20
+
+
 class _BufferPool:
     """Flat buffers of one size (the largest bucket's), reused once given back; a new one when none is free."""
 
@@ -119,19 +129,22 @@ def storage_order(chosen: list[tuple[str, ShardedParam]]) -> list[tuple[str, Sha
     return sorted(chosen, key=where)
 
 
-def plan(chosen: list[tuple[str, ShardedParam]], dtype: torch.dtype, bucket_bytes: int
-         ) -> list[list[tuple[str, ShardedParam]]]:
+def plan(chosen: list[tuple[str, ShardedParam]], dtype: torch.dtype, bucket_bytes: int,
+         alone_from: int | None = None) -> list[list[tuple[str, ShardedParam]]]:
     """The parameters, in storage order, packed into buckets of at most `bucket_bytes` of padded values in
-    `dtype` (a larger parameter alone in its own)."""
+    `dtype`; a larger parameter, or one of at least `alone_from` bytes where given, alone in its own."""
     buckets: list[list[tuple[str, ShardedParam]]] = []
     filled = 0
+    alone = False  # the last bucket holds a parameter that goes alone
     for name, sp in storage_order(chosen):
         size = sp.padded_numel * dtype.itemsize
-        if not buckets or filled + size > bucket_bytes:
+        goes_alone = alone_from is not None and size >= alone_from
+        if not buckets or alone or goes_alone or filled + size > bucket_bytes:
             buckets.append([])
             filled = 0
         buckets[-1].append((name, sp))
         filled += size
+        alone = goes_alone
     return buckets
 
 
@@ -214,12 +227,15 @@ def buckets(
     bucket_bytes: int,
 ) -> Iterator[WeightBucket]:
     """The buckets of `chosen`, each gathered while the consumer reads the one before (see the Note)."""
-    planned = plan(chosen, dtype, bucket_bytes)
-    if not planned:
+    if not chosen:
         return
-    parked.settle()  # background offload writes or reloads land first: each buffer is where it says
     gather = gather.exact()
     device = chosen[0][1].placeholder.device
+    # In host memory a packed bucket's layout copy costs more than a gather of its own for a large parameter
+    # (whose rank-major output already is its value); on a GPU the copy is cheap beside a collective's launch.
+    alone_from = ALONE_FROM_BYTES if device.type == "cpu" and gather.mesh.sharded else None
+    planned = plan(chosen, dtype, bucket_bytes, alone_from)
+    parked.settle()  # background offload writes or reloads land first: each buffer is where it says
     largest = max(sum(sp.padded_numel for _, sp in bucket) for bucket in planned)
     largest_own = max(sum(sp.shard_numel for _, sp in bucket) for bucket in planned)
     pool = _BufferPool(largest, dtype, device)
