@@ -56,6 +56,37 @@ def fp16_overflow(rank: int, world: int) -> dict:
     return result
 
 
+def scaled_and_clipped_step(rank: int, world: int, zero: dict, clip: float) -> dict:
+    """One SGD step (lr 1, no momentum) of an fp16 engine under a fixed loss scale of 1024: each master moves
+    by minus its gradient, unscaled and, with `clip`, clipped to that norm overall."""
+    config = cfg(fp16={"enabled": True, "loss_scale": 1024.0}, gradient_clipping=clip, zero=zero,
+                 optimizer={"type": "sgd", "params": {"lr": 1.0, "momentum": 0.0}})
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=config)
+    (x, y), = models.batches("x8", 1, 4 * world)
+    before = [zero3.safe_get_full_fp32_param(p).clone() for p in model.parameters()]
+    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    grads = [zero3.safe_get_full_grad(p).float() / 1024.0 for p in model.parameters()]  # held scaled until the step
+    engine.step()
+    moved = [before[i] - zero3.safe_get_full_fp32_param(p) for i, p in enumerate(model.parameters())]
+    engine.destroy()
+    return {"moved": torch.cat([m.flatten() for m in moved]).norm().item(),
+            "grad_norm": torch.cat([g.flatten() for g in grads]).norm().item()}
+
+
+@pytest.mark.parametrize("zero, clip", [
+    pytest.param({}, 0.01, id="clipped"),
+    pytest.param({"offload_optimizer": {"device": "cpu", "super_offload": True}}, 0.01, id="clipped-overlapped"),
+    pytest.param({"offload_optimizer": {"device": "cpu", "super_offload": True}}, 0.0, id="unclipped-overlapped"),
+])
+def test_an_fp16_step_unscales_and_clips_its_gradients(zero: dict, clip: float) -> None:
+    for result in run_ranks(2, scaled_and_clipped_step, zero, clip):
+        expected = clip if clip > 0 else result["grad_norm"]
+        assert clip == 0 or result["grad_norm"] > 10 * clip, result  # the clipping acts
+        assert result["moved"] == pytest.approx(expected, rel=1e-3), result
+
+
 def test_fp16_dynamic_scaling_skips_an_injected_overflow_on_every_rank() -> None:
     for result in run_ranks(2, fp16_overflow):
         assert result["dtype"] == torch.float16

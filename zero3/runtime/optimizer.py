@@ -551,12 +551,12 @@ class ZeroOptimizer:
             coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
             if judged and why_not is None and bool(coefficient != 1.0):
                 why_not = "the gradients are clipped"  # (x * 1 is x: unclipped, the early steps made this step)
-        if self.early is not None:
-            self.early.values_refused(why_not)
             if scale != 1.0:
                 coefficient.mul_(1.0 / scale)
         elif scale != 1.0:
             coefficient = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
+        if self.early is not None:  # (judged)
+            self.early.values_refused(why_not)
         # Once, where the step runs: a host step (ZeRO-Offload beside a GPU) waits for the values, as it must.
         if coefficient is not None:
             coefficient = coefficient.to(self.step_device)
