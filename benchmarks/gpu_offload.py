@@ -119,9 +119,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from provenance import provenance  # benchmarks/provenance.py, beside this script
 
-    args.out.write_text(json.dumps({"benchmark": "gpu_offload", "provenance": provenance(), "params": params, "state_bytes": state_bytes, "rows": rows,
+    args.out.write_text(json.dumps({"benchmark": "gpu_offload", "provenance": provenance(), "params": params,
+                                    "state_bytes": state_bytes, "rows": rows,
                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                                    "pin_ahead": args.pin_ahead, "pin_s": pin_s, "pinned_within_steps": pinned_within_steps, "step_s": step_s,
+                                    "pin_ahead": args.pin_ahead, "pin_s": pin_s,
+                                    "pinned_within_steps": pinned_within_steps, "step_s": step_s,
                                     "host_memory_stats": {k: v for k, v in host_stats.items()
                                                           if "bytes" in k and "current" in k or "peak" in k}},
                                    indent=2, default=str))

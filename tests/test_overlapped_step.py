@@ -2,9 +2,11 @@
 host thread as their gradients land during the backward, and the step keeps or undoes that work so that
 training is bit-identical to the step after the backward (zero3.runtime.early_step's Note). At 2 ranks, in
 bf16 and fp32, against the same engine without it: losses, masters and moments equal after several steps
-where the early steps are kept (unclipped, with gradient accumulation, with the 16-bit shards on disk), where they are undone (every step
-clipped: once, the backwards after a refused step speculate nothing; clipped, then not: speculating again; an fp16 overflow; the learning rate changed between backward and step; an accessor reading the
-masters there; offload_states and reload_states there), and where an early step fails on one rank (every rank raises, the step lands nowhere)."""
+where the early steps are kept (unclipped, with gradient accumulation, with the 16-bit shards on disk), where
+they are undone (every step clipped: once, as the backwards after a refused step speculate nothing; clipped,
+then not: speculating again; an fp16 overflow; the learning rate changed between backward and step; an
+accessor reading the masters there; offload_states and reload_states there), and where an early step fails
+on one rank (every rank raises, the step lands nowhere)."""
 
 from __future__ import annotations
 

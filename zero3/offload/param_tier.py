@@ -29,6 +29,8 @@ class HostShardSource:
     """Shards in host memory beside a GPU: each is copied to the device just before its all-gather
     (the walk issues gathers ahead along the prefetch trace, so the copy runs ahead with them)."""
 
+    hands_over_fresh = False  # (a world of one copies the shard into the gathered values)
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -38,6 +40,8 @@ class HostShardSource:
 
 class DiskShardTier:
     """The on-disk part of the 16-bit shards: the file store, the unit source, the reads ahead."""
+
+    hands_over_fresh = False  # (a world of one copies the shard into the gathered values)
 
     def __init__(
         self, disk: FileIO, root: Path, numel: int, dtype: torch.dtype, device: torch.device, read_ahead: int,

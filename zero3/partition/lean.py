@@ -40,9 +40,7 @@ class MasterCast:
     can know ahead it keeps: per unit, the masters' range when they lie end to end in one buffer (one
     cast), else their slots (one multi-tensor cast)."""
 
-    # A world of one gathers the shard as it is: the fresh tensor `acquire` hands over is nobody else's, so
-    # the gather takes it as the gathered values (no copy).
-    hands_over_fresh = True
+    hands_over_fresh = True  # (each cast is a new tensor: a world of one gathers it as it is)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -46,7 +46,11 @@ class Hold(Enum):
 
 class ShardSource(Protocol):
     """Brings a unit's shard to its device for an all-gather when the shard's home is elsewhere
-    (host memory beside a GPU, or disk): zero3.offload's parameter tier."""
+    (host memory beside a GPU, or disk): zero3.offload's parameter tier; or makes it (lean memory's casts)."""
+
+    # Whether a world of one takes what `acquire` returns as the gathered values (a tensor nobody else
+    # holds) instead of copying it.
+    hands_over_fresh: bool
 
     def acquire(self, unit: "GatherUnit") -> torch.Tensor: ...
 
@@ -196,7 +200,7 @@ class GatherUnit:
         if self.gathers_in_place:
             assert self.lp_slot is not None, f"unit {self.label} has no shard storage"
             self._pending = PendingGather(self.lp_slot.view(), None)
-        elif not self.gather.mesh.sharded and getattr(self.source, "hands_over_fresh", False):
+        elif not self.gather.mesh.sharded and self.source is not None and self.source.hands_over_fresh:
             self._pending = PendingGather(self.local_shard(), None)  # (a fresh shard is the whole value)
         elif exact and self.gather.codec is not None:
             self._pending = self.gather.exact().start(self.local_shard())
