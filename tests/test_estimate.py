@@ -193,14 +193,24 @@ def test_cli_takes_settings_from_a_config_and_options_win(
 
 def test_cli_lean_memory_drops_the_16_bit_shards(capsys: pytest.CaptureFixture[str]) -> None:
     """Lean memory mode: 12 bytes per parameter / N of model state in bf16 (fp32 master and Adam's two
-    moments) plus the gradients, no 16-bit shard; with fp32 shards on the device it changes nothing."""
-    _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--lean-memory", "--json")
-    lean = json.loads(out)["model_state_bytes"]
+    moments) between steps, no 16-bit shard and no gradient shard (a backward makes them: what must fit
+    the device counts them); with fp32 shards on the device it changes nothing."""
+    _, lean_out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--lean-memory", "--json")
+    lean = json.loads(lean_out)["model_state_bytes"]
     _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--json")
     default = json.loads(out)["model_state_bytes"]
     assert lean["lp_params"] == 0 and default["lp_params"] == 2 * 800_000_000 // 8
     assert lean["hp_params"] + lean["optim_states"] == 12 * 800_000_000 // 8
-    assert default["total"] - lean["total"] == default["lp_params"]
+    assert lean["lp_grads"] == 0 and default["lp_grads"] == 2 * 800_000_000 // 8
+    assert lean["total"] == 12 * 800_000_000 // 8 and default["total"] - lean["total"] == 4 * 800_000_000 // 8
+    fits = {}
+    between = json.loads(lean_out)["per_rank"]["total"]["device"]
+    for extra in (0, 2 * 800_000_000 // 8):  # a device that holds the state between steps, and the gradients too
+        _, found, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--lean-memory", "--json",
+                              "--device-memory", str(between + extra))
+        fits[extra] = json.loads(found)
+    assert fits[0]["backward_per_rank"]["device"] == 2 * 800_000_000 // 8
+    assert not fits[0]["fits"] and fits[2 * 800_000_000 // 8]["fits"]
     _, out, _ = run_cli(capsys, "--params", "8e8", "--ranks-per-node", "8", "--precision", "fp32", "--lean-memory",
                         "--json")
     assert json.loads(out)["model_state_bytes"]["lp_params"] == 4 * 800_000_000 // 8  # the shards are the masters

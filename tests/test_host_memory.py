@@ -107,7 +107,7 @@ def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
     torch.manual_seed(0)
     model = models.TiedTransformer(vocab=64, dim=256, heads=4, layers=2)
     engine = zero3.initialize(model=model, config=config)[0]
-    lp_grads = engine.optimizer.lp_grads.tensor
+    lp_grads = engine.optimizer.grads.buffer.tensor
     seen = {"built": resident_fraction(lp_grads)}
     for micro, (x, y) in enumerate(models.batches("tokens", 4, 4 * world)):
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]

@@ -20,6 +20,7 @@ from tests import models
 from tests.devices import worlds_on_devices
 from tests.distributed import run_ranks
 from zero3.config import ConfigError, load_config
+from zero3.runtime import grad_shards
 
 STEPS = 3
 OPTIMIZERS: dict[str, dict[str, Any]] = {
@@ -100,7 +101,7 @@ def optimizers_alike(rank: int, world: int) -> dict[str, Any]:
             "lp_bytes": (state["lp_params"], lean_state["lp_params"]),
             # Everything else than the 16-bit shards and the persistent unit's gathered copy (at world 1 the
             # default layout's persistent parameters view their shards; lean ones are cast into a copy).
-            "rest": [s["total"] - s["lp_params"] - s["persistent_params"] for s in (state, lean_state)],
+            "rest": [(s["total"] - s["lp_params"] - s["persistent_params"], s["lp_grads"]) for s in (state, lean_state)],
         }
     # The frozen embedding's 16-bit shard is all lean mode keeps (bf16: 2 bytes an element).
     out["frozen_shard_bytes"] = 2 * -(-48 * 32 // world)
@@ -116,7 +117,94 @@ def test_lean_memory_trains_bit_identically_with_every_optimizer(world: int, dev
             assert found["sixteen_bit"] == [], (name, found["sixteen_bit"])
             default_lp, lean_lp = found["lp_bytes"]
             assert lean_lp == frozen < default_lp, (name, found["lp_bytes"])
-            assert found["rest"][0] == found["rest"][1], (name, found["rest"])
+            # Between steps lean mode holds no gradient shards either (they live from a backward to its step).
+            (default_rest, default_grads), (lean_rest, lean_grads) = found["rest"]
+            assert lean_grads == 0 < default_grads and lean_rest == default_rest - default_grads, (name, found["rest"])
+
+
+class TwoHeads(nn.Module):
+    """A body and two heads; the second head is used only where asked (so some steps give it no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 64)
+        self.a = nn.Linear(64, 8)
+        self.b = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        hidden = torch.tanh(self.body(x))
+        out = self.a(hidden)
+        if use_b:
+            out = out + self.b(hidden)
+        return out.float().pow(2).mean()
+
+
+# Per step, which micro-steps use the second head: in the second step it gets no gradient at all.
+MICRO_STEPS = [(False, True), (False, False), (True, False)]
+
+
+def gradients_from_backward_to_step(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Both modes with 2 micro-steps a step, clipped: the gradient shards each reader sees after every
+    micro-step, the bytes held, the masters after every step; in the last step the gradients are parked on
+    disk between the micro-steps. The clipping norm's windows are made small here, so that some lie inside
+    one shard, some across several, some over the unused head's missing shards."""
+    grad_shards.NORM_CHUNK = 256  # (this rank's process only)
+    g = torch.Generator().manual_seed(7)
+    data = [[torch.randn(2 * world, 16, generator=g) for _ in micro] for micro in MICRO_STEPS]
+    runs = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        cfg = config(OPTIMIZERS["AdamW"], lean)
+        cfg["gradient_accumulation_steps"] = 2
+        cfg["gradient_clipping"] = 1e-3  # every step clipped: its masters follow the norm's every bit
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        engine = zero3.initialize(model=model, config=cfg)[0]
+        seen: dict[str, Any] = {"grads": [], "held": [], "masters": []}
+        for step, (uses, batches) in enumerate(zip(MICRO_STEPS, data)):
+            for micro, (use_b, x) in enumerate(zip(uses, batches)):
+                engine.backward(engine(x.chunk(world)[rank], use_b))
+                seen["grads"].append({name: zero3.safe_get_local_grad(p).clone() for name, p in model.named_parameters()})
+                seen["held"].append(engine.model_state_bytes()["lp_grads"])
+                if step == len(MICRO_STEPS) - 1 and micro == 0:
+                    engine.offload_states(include=["lp_grads"], device="nvme", nvme_path=root)
+                    seen["parked"] = engine.state_report()["lp_grads"]
+                    engine.reload_states()
+                engine.step()
+            seen["masters"].append(masters(model))
+            seen["held"].append(engine.model_state_bytes()["lp_grads"])
+        runs[lean] = seen
+        engine.destroy()
+    default, lean = runs[False], runs[True]
+    shard_bytes = {name: 2 * -(-p.numel() // world) for name, p in TwoHeads().named_parameters()}  # bf16
+    return {
+        "grads": [sorted(k for k in d if not torch.equal(d[k], l[k])) for d, l in zip(default["grads"], lean["grads"])],
+        "masters": [sorted(k for k in d if not torch.equal(d[k], l[k])) for d, l in zip(default["masters"], lean["masters"])],
+        "default_held": default["held"], "lean_held": lean["held"], "lean_parked": lean["parked"],
+        "all_shards": sum(shard_bytes.values()), "head_b": shard_bytes["b.weight"] + shard_bytes["b.bias"],
+    }
+
+
+def test_lean_gradient_shards_live_from_the_backward_to_the_step(tmp_path: Any) -> None:
+    """Lean mode's gradient shards are made as the backward reaches them and dropped at the step, and
+    everything reads as in the default layout: the accessors between micro-steps, the clipped step's masters
+    (the norm sums the same pieces), a head without gradients in a whole step, the shards parked on disk
+    between micro-steps. A world of one makes a shard at its gradient; at 2 ranks every landed reduction
+    makes its parameters' shards (a head unused everywhere lands zeros)."""
+    for world in (1, 2):
+        for out in run_ranks(world, gradients_from_backward_to_step, str(tmp_path / f"w{world}")):
+            assert all(diff == [] for diff in out["grads"]), out["grads"]
+            assert all(diff == [] for diff in out["masters"]), out["masters"]
+            full = out["default_held"][0]
+            assert out["default_held"] == [full] * len(out["default_held"]), out["default_held"]
+            # Per step: after each micro-step, then after the step (nothing held).
+            held = out["lean_held"]
+            assert held[2] == held[5] == held[8] == 0, held
+            assert full >= out["all_shards"] and all(0 < held[i] for i in (0, 1, 3, 4, 6, 7)), held
+            assert held[0] <= held[1] <= full + 64 * 6 and held[6] <= held[7], held  # alignment: < 64 B a shard
+            if world == 1:  # the second head's shards exist only where it had a gradient
+                assert held[3] == held[4] < held[1] and held[1] - held[0] >= out["head_b"], held
+            assert sum(out["lean_parked"].values()) == held[6] and "nvme" in out["lean_parked"], out["lean_parked"]
 
 
 def states_and_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def accumulated_grad(rank: int, world: int, accum: str | None) -> dict:
     for inputs in micro_step_inputs(world):  # no optimizer step: the gradients stay accumulated
         engine.backward(engine(inputs[rank]))
     grad = zero3.safe_get_local_grad(model.weight).double().clone()
-    dtype = engine.optimizer.lp_grads.dtype
+    dtype = engine.optimizer.grads.dtype
     engine.destroy()
     return {"grad": grad, "dtype": dtype}
 

@@ -133,7 +133,7 @@ def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's reduced gradient shard (16-bit, fp16 loss scale not removed); None if frozen."""
     sp = require_sharded(param, "safe_get_local_grad")
     grads = GradShards.of(sp)
-    return grads.view(sp) if grads is not None else None
+    return grads.read(sp) if grads is not None else None
 
 
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -202,7 +202,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     grads = GradShards.of(sp)
     if grads is None:
         return None
-    return _gather_full(sp, grads.view(sp).float())
+    return _gather_full(sp, grads.read(sp).float())
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -363,6 +363,9 @@ def _estimate_summary(result: estimates.Estimate, device_bytes: int) -> Table:
         ("per node", f"host {_human_bytes(result.on('host') * result.ranks_per_node)}, "
          f"disk {_human_bytes(result.on('disk') * result.ranks_per_node)} ({result.ranks_per_node} ranks)"),
     ]
+    for place, nbytes in result.backward_bytes.items():
+        rows.append(("during a backward", f"up to {_human_bytes(nbytes)} more per rank on the {place}: lean memory "
+                     "mode's gradient shards, made as the backward reaches them and dropped at the step"))
     if result.disk_files() != result.on("disk"):
         rows.append(("disk files", f"{_human_bytes(result.disk_files())} per rank: the optimizer's files come in "
                      "two generations (a failed step loses nothing)"))

@@ -398,6 +398,12 @@ class Communicator:
             self._started(dist.broadcast(alias, src=src, group=group, async_op=True), False)
         return tensor
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether each shard has replicas to sum with (HSDP, MiCS): `all_reduce_replicas` does something."""
+        topology = self.topology
+        return topology is not None and topology.shard.replicate_size > 1
+
     def all_reduce_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum across the replicas of this rank's shard (HSDP, MiCS; none: nothing to do). A host tensor
         beside an accelerator goes on the topology's gloo replicate group.

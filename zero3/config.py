@@ -1085,8 +1085,9 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
         "implemented", "the DataLoader `initialize(training_data=...)` returns drops a last, short batch"),
     "zero_optimization.lean_memory": (
         "zero3", "true: no resident 16-bit shards for the trained parameters; each unit's gather casts them from "
-        "the fp32 masters as it starts (bit-identical to the default), so model state between steps is the "
-        "masters, the optimizer states and the gradients; frozen parameters keep their 16-bit shards. Not with "
+        "the fp32 masters as it starts (bit-identical to the default), and each gradient shard is made as the "
+        "backward reaches it and dropped at the step, so model state between steps is the masters and the "
+        "optimizer states; frozen parameters keep their 16-bit shards. Not with "
         "`offload_param` or `offload_optimizer.device: nvme`"),
     "comm_timeout_s": (
         "zero3", "seconds a collective on the engine's groups waits for a peer (a dead or hung rank) before "

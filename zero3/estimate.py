@@ -30,7 +30,7 @@ of the layers in flight, activations and the allocator's slack come on top.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
@@ -276,12 +276,23 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places["lp_params"]["disk"] += layout.lp_on_disk * lp_size
     if not masters_are_shards(settings.compute_dtype, settings.offload_optimizer, settings.offload_param):
         places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
-    places["lp_grads"][grads_home] = layout.trainable * settings.grad_dtype.itemsize
+    # Lean memory mode holds the gradient shards only from the backward to the step
+    # (zero3.runtime.grad_shards' Note): none between steps, which is what these bytes are (`backward_bytes`).
+    places["lp_grads"][grads_home] = 0 if settings.lean else layout.trainable * settings.grad_dtype.itemsize
     places["optim_states"][optimizer_home] = settings.optimizer_states * layout.trainable * FP32_BYTES
     places["persistent_params"]["device"] = layout.persistent_gathered * lp_size
     places["hpz_secondary"]["device"] = layout.hpz_secondary * lp_size
     places["contiguous_grad_buffer"]["device"] = layout.scratch * settings.comm_dtype.itemsize
     return places
+
+
+def backward_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, int]:
+    """Place -> bytes a backward makes and the step drops: lean memory mode's gradient shards, at most all
+    of them (where ZeRO-Offload keeps them: the host; else the device)."""
+    if not settings.lean:
+        return {}
+    place = "host" if settings.offload_optimizer == "cpu" else "device"
+    return {place: layout.trainable * settings.grad_dtype.itemsize}
 
 
 @dataclass(frozen=True)
@@ -294,6 +305,9 @@ class Estimate:
     settings: EstimateSettings
     states: dict[str, dict[str, int]]
     exact: bool
+    # Place -> bytes made during a backward and dropped at the step, beside `states` (lean memory mode's
+    # gradient shards); a device must hold them too.
+    backward_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -304,7 +318,7 @@ class Estimate:
         return sum(places[place] for places in self.states.values())
 
     def fits(self, device_bytes: int) -> bool:
-        return self.on("device") <= device_bytes
+        return self.on("device") + self.backward_bytes.get("device", 0) <= device_bytes
 
     def disk_files(self) -> int:
         """Bytes of this rank's tier files: more than the states' on disk, as the optimizer tier keeps two
@@ -345,6 +359,7 @@ class Estimate:
             "model_state_bytes": self.model_state_bytes(),
             "per_node": {place: totals[place] * self.ranks_per_node for place in PLACES},
             "disk_files_per_rank": self.disk_files(),
+            "backward_per_rank": {place: self.backward_bytes.get(place, 0) for place in PLACES},
         }
         if device_bytes is not None:
             out["device_memory"] = device_bytes
@@ -384,7 +399,8 @@ def estimate(
             raise ValueError(f"params {params!r}: expected a whole number of parameters >= 1")
         count = params
         layout = layout_of_count(params, world, settings, secondary)
-    return Estimate(count, ranks_per_node, nodes, settings, state_bytes(layout, settings), exact=model is not None)
+    return Estimate(count, ranks_per_node, nodes, settings, state_bytes(layout, settings), exact=model is not None,
+                    backward_bytes=backward_bytes(layout, settings))
 
 
 def largest_fitting_params(

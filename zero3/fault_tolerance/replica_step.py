@@ -19,7 +19,7 @@ class ReplicaStep:
 
     def __init__(self, engine: ZeroEngine) -> None:
         config = engine.config.fault_tolerance
-        grads = engine.optimizer.lp_grads if engine.optimizer is not None else None
+        grads = engine.optimizer.grads if engine.optimizer is not None else None
         grads_device = grads.device if grads is not None else engine.device
         self.protocol: StepProtocol = engine.protocol
         self.peer_state = PeerState(engine, report_error=lambda error: self.replicas.manager.report_error(error))

@@ -211,7 +211,8 @@ def build(
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
     grads = None
     if spec is not None:
-        grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device)
+        # Lean memory mode makes each shard at its first gradient and drops it at the step (its Note there).
+        grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device, on_demand=bool(lean))
     reducer = GradientReducer(
         grad_reduce(gather.mesh, comm), trainable, config.communication_dtype, device,
         zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients, grads,
@@ -222,7 +223,7 @@ def build(
         assert grads is not None and state_layout is not None
         sub_group_size = zc.sub_group_size
         in_memory = zc.offload_optimizer.device == OffloadDevice.none  # the states on the device: not transactional
-        if in_memory and not steps_on_its_gradients(grads.buffer.tensor, device, False, muon=spec.muon is not None):
+        if in_memory and not steps_on_its_gradients(grads, device, False, muon=spec.muon is not None):
             # A sub-group's fp32 gradients are made in the idle scratch bucket: no larger than it, so
             # the step allocates nothing (a fresh 4 bytes per element of the sub-group otherwise).
             scratch_bytes = reducer.scratch_numel() * reducer.dtype.itemsize
@@ -297,7 +298,7 @@ def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None,
     if state is OffloadStateType.hp_params:  # none where the masters are the shards (lp_params holds them)
         return [optimizer.hp_params] if optimizer.hp_params is not None else []
     if state is OffloadStateType.lp_grads:
-        return [optimizer.lp_grads]
+        return optimizer.grads.buffers()
     if state is OffloadStateType.optim_states:
         return list(optimizer.moments.values())
     return []

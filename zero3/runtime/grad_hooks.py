@@ -61,7 +61,7 @@ class BackwardPass:
                 if not sp.param.requires_grad:
                     continue
                 proxy = torch.empty(1, dtype=sp.dtype, device=device).expand(sp.shape)
-                if in_place and grads is not None and sp in grads and grads.buffer.dtype == sp.dtype:
+                if in_place and grads is not None and sp in grads and grads.dtype == sp.dtype:
                     self._handles.append(sp.param.register_hook(self._accumulate_in_place(sp, unit, proxy)))
                     continue
                 self._handles.append(sp.param.register_hook(_pre_accumulate(sp, unit, proxy)))
@@ -97,7 +97,7 @@ class BackwardPass:
         assert grads is not None
         arrived = grads.arrived
         heap_return = reducer.heap_return  # on the CPU: freed heap handed back as gradients land (host_heap)
-        slot_bytes = sp.numel * grads.buffer.dtype.itemsize  # the slot is shaped like the parameter
+        slot_bytes = sp.numel * grads.dtype.itemsize  # the slot is shaped like the parameter
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not reducer.open:

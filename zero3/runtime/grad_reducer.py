@@ -262,7 +262,7 @@ class GradientReducer:
         if self._direct:
             assert self.grads is not None
             # Looked up once a pass: nothing moves lp_grads during one (offloading it then is refused).
-            self._direct_views = self.grads.param_shaped_views()
+            self._direct_views = self.grads.param_shaped_views()  # (on demand: the shards held so far)
             self._direct_factor = self.pre_scale * self._pass_scale
             self.allocate_scratch()  # lent to the optimizer's step, as after a bucketed pass
             self._next = len(self.buckets)  # nothing to send: absent parameters simply add nothing
@@ -275,14 +275,14 @@ class GradientReducer:
     @property
     def _beside_grads(self) -> bool:
         """A world of one whose lp_grads are on the gradients' device: a pass adds straight into them."""
-        return self._alone and self.grads is not None and self.grads.buffer.device == self.device
+        return self._alone and self.grads is not None and self.grads.device == self.device
 
     @property
     def adds_unchanged(self) -> bool:
         """Whether a world of one adds each gradient to lp_grads as it is: never rounded to another
         dtype, never scaled but by a plain loss.backward()'s pass factor (`direct_factor`)."""
         grads = self.grads
-        return (self._beside_grads and grads is not None and grads.buffer.dtype == self.dtype
+        return (self._beside_grads and grads is not None and grads.dtype == self.dtype
                 and self.pre_scale == 1.0 and self.post_scale == 1.0)
 
     @property
@@ -296,7 +296,14 @@ class GradientReducer:
                 "a backward needs lp_grads beside the gradients, offloaded by offload_states(); call "
                 "engine.reload_states() first"
             )
-        return self._direct_views[sp]
+        return self._shaped(sp)
+
+    def _shaped(self, sp: ShardedParam) -> torch.Tensor:
+        view = self._direct_views.get(sp)
+        if view is None:  # an on-demand shard, made at its first gradient (zero3.runtime.grad_shards' Note)
+            assert self.grads is not None
+            view = self._direct_views[sp] = self.grads.shaped(sp)
+        return view
 
     def add(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         if self._direct and self._open:  # the common case of a world of one, first (see _add_direct)
@@ -324,7 +331,7 @@ class GradientReducer:
         factor = self._direct_factor
         if factor != 1.0:
             source = source * factor
-        destination = self._direct_views[sp]
+        destination = self._shaped(sp)
         if self.post_scale != 1.0:
             destination.add_(source, alpha=self.post_scale)
         else:
@@ -464,7 +471,7 @@ class GradientReducer:
             reduction.work.wait()
         params = reduction.bucket.params
         assert self.grads is not None, "a gradient was reduced but nothing is trained"
-        if params and self.grads.buffer.device != reduction.output.device:
+        if params and self.grads.device != reduction.output.device:
             # ZeRO-Offload keeps the gradients in host memory (see the Note).
             self._copy_to_host(reduction)
         else:

@@ -1,7 +1,8 @@
 """This rank's reduced gradient shards: the `lp_grads` state.
 
 One flat buffer (in `grad_accum_dtype`; host memory with ZeRO-Offload, else
-the device) with a slot per trained parameter, laid out in the optimizer's
+the device; in lean memory mode a tensor per shard instead, see the last
+Note) with a slot per trained parameter, laid out in the optimizer's
 order, and which parameters got a gradient since the last step. The reducer
 adds landed shards into it, the optimizer steps from it and zeroes it; the
 engine builds it and hands it to both, so neither reaches into the other.
@@ -17,11 +18,31 @@ copies it): about 0.7 ms per MiB on the AMD EPYC of docs/benchmarks.md, where
 writing zeros costs 0.1. A buffer under `DROP_PAGES_FROM_BYTES` is zeroed by
 writing: its memory is small beside the step's peak, and the faults were a
 sixth of the 16 x 64 stand-in's step (benchmarks/step_time.py).
+
+[Note: gradients held only from the backward to the step]
+In lean memory mode (zero3.partition.lean) the shards have no flat buffer:
+each parameter's shard is a tensor of its own, made (zeroed) when its first
+gradient lands and dropped by the step's `zero()`, as FSDP2 makes its sharded
+gradients in the backward and frees them at `zero_grad`. Between steps they
+hold no memory, and during the backward the shards of the parameters not yet
+reached hold none either. The flat layout's offsets still place everything
+else (the optimizer's sub-groups read their pieces from whichever tensors
+exist, zeros for the rest), and both forms give the same arithmetic: the
+squared norm sums the norms of the same NORM_CHUNK windows of the flat
+layout, each window either a view inside one shard or put together in a
+scratch window, and an own shard starts at the address its flat slot would
+have modulo ALIGN_BYTES (a window, at a multiple of NORM_CHUNK, starts
+aligned), so a kernel that vectorizes by alignment adds the same elements in
+the same order.
 """
 
 from __future__ import annotations
 
+import bisect
 import weakref
+from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -33,23 +54,60 @@ from zero3.partition.sharded_param import ShardedParam
 _OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyDictionary()
 
 DROP_PAGES_FROM_BYTES = 64 << 20  # a host buffer at least this large is zeroed by dropping its pages
+NORM_CHUNK = 1 << 20  # elements per piece of the squared norm (a 16-bit piece is cast to fp32 whole)
+ALIGN_BYTES = 64  # an own shard keeps its flat slot's address modulo this (see the Note)
+
+
+class ShardPiece(Protocol):
+    """Elements [start, start + numel) of a parameter's shard (an optimizer sub-group's piece)."""
+
+    @property
+    def sp(self) -> ShardedParam: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def numel(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class _Piece:
+    sp: ShardedParam
+    start: int
+    numel: int
 
 
 class GradShards:
-    def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device,
+                 on_demand: bool = False) -> None:
         self.params = params
+        self.on_demand = on_demand  # each shard a tensor of its own, from its first gradient to the step
+        self._dtype = dtype
+        self._device = device
         numel = sum(sp.shard_numel for sp in params)
-        # In host memory and large, zeroed by dropping its pages (see the module's doc); until it moves.
-        droppable = device.type == "cpu" and numel * dtype.itemsize >= DROP_PAGES_FROM_BYTES
-        self._droppable: DroppableZeros | None = DroppableZeros(numel, dtype) if droppable else None
-        tensor = self._droppable.tensor if self._droppable is not None else torch.zeros(numel, dtype=dtype, device=device)
-        self.buffer = FlatBuffer("lp_grads", tensor)
+        self.buffer: FlatBuffer | None = None
+        self._droppable: DroppableZeros | None = None
+        if not on_demand:
+            # In host memory and large, zeroed by dropping its pages (see the module's doc); until it moves.
+            droppable = device.type == "cpu" and numel * dtype.itemsize >= DROP_PAGES_FROM_BYTES
+            self._droppable = DroppableZeros(numel, dtype) if droppable else None
+            tensor = (self._droppable.tensor if self._droppable is not None
+                      else torch.zeros(numel, dtype=dtype, device=device))
+            self.buffer = FlatBuffer("lp_grads", tensor)
         self.slots: dict[ShardedParam, Slot] = {}
+        self.offsets: dict[ShardedParam, int] = {}  # each shard's place in the flat layout
         cursor = 0
         for sp in params:
-            self.slots[sp] = Slot(self.buffer, cursor, sp.shard_numel)
+            if self.buffer is not None:
+                self.slots[sp] = Slot(self.buffer, cursor, sp.shard_numel)
+            self.offsets[sp] = cursor
             cursor += sp.shard_numel
             _OWNER[sp] = self
+        self.numel = cursor
+        self._index = {sp: index for index, sp in enumerate(params)}  # names an own shard's buffer
+        self._starts = [self.offsets[sp] for sp in params]  # ascending: the shards lie in order
+        # On demand: each held shard's buffer (a FlatBuffer, so offload_states can move it) and where the
+        # shard starts in it (see the Note).
+        self._own: dict[ShardedParam, tuple[FlatBuffer, int]] = {}
         # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
         self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
         # Each slot's view in its parameter's shape, made once per buffer tensor: a world of one adds every
@@ -57,6 +115,8 @@ class GradShards:
         # (forget_views) before the buffer moves, so no view keeps the old memory alive.
         self._shaped: dict[ShardedParam, torch.Tensor] = {}
         self._shaped_of: torch.Tensor | None = None
+        self._pieces: list[torch.Tensor] = []  # the squared norm's pieces of the flat buffer, per tensor
+        self._pieces_of: torch.Tensor | None = None
 
     @staticmethod
     def of(sp: ShardedParam) -> GradShards | None:
@@ -64,19 +124,80 @@ class GradShards:
         return _OWNER.get(sp)
 
     def __contains__(self, sp: ShardedParam) -> bool:
-        return sp in self.slots
+        return sp in self.offsets
+
+    # ---- facts --------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shards are: the flat buffer's device (meta while parked on disk); on demand, where new
+        shards are made."""
+        return self.buffer.device if self.buffer is not None else self._device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now (on demand: the shards made since the last step, alignment included)."""
+        if self.buffer is not None:
+            return self.buffer.nbytes
+        return sum(buffer.nbytes for buffer, _ in self._own.values())
+
+    def buffers(self) -> list[FlatBuffer]:
+        """The flat buffers that hold the state now (what offload_states moves)."""
+        if self.buffer is not None:
+            return [self.buffer]
+        return [buffer for buffer, _ in self._own.values()]
+
+    def steps_in_place(self, step_device: torch.device) -> bool:
+        """Whether a step can run on views of these gradients themselves: fp32 in one flat buffer on the
+        step's device (the caller adds its own conditions)."""
+        return self.buffer is not None and self._dtype == torch.float32 and self.buffer.tensor.device == step_device
+
+    # ---- one parameter's shard ------------------------------------------------------
+    def held(self, sp: ShardedParam) -> bool:
+        """Whether the shard has memory (always, in a flat buffer)."""
+        return self.buffer is not None or sp in self._own
 
     def view(self, sp: ShardedParam) -> torch.Tensor:
-        """A fresh view of the parameter's gradient shard (what the accessors hand out)."""
-        return self.slots[sp].view()
+        """The parameter's gradient shard, to write (on demand: made, zeroed, if it has none yet)."""
+        if self.buffer is not None:
+            return self.slots[sp].view()
+        own = self._own.get(sp)
+        if own is None:
+            # Zeroed, then added to: the same arithmetic as a zeroed flat slot (a copy would keep a -0.0).
+            lead = (self.offsets[sp] * self._dtype.itemsize) % ALIGN_BYTES // self._dtype.itemsize
+            storage = torch.zeros(lead + sp.shard_numel, dtype=self._dtype, device=self._device)
+            own = (FlatBuffer(f"lp_grads.{self._index[sp]}", storage, state="lp_grads"), lead)
+            self._own[sp] = own
+        buffer, lead = own
+        return buffer.view(lead, sp.shard_numel)
+
+    def read(self, sp: ShardedParam) -> torch.Tensor:
+        """The parameter's gradient shard, to read: a view, or zeros where an on-demand shard has none."""
+        if self.held(sp):
+            return self.view(sp)
+        return torch.zeros(sp.shard_numel, dtype=self._dtype, device=self._device)
 
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
-        return [self.slots[sp].view() for sp in params]
+        if self.buffer is not None:
+            return [self.slots[sp].view() for sp in params]
+        return [self.view(sp) for sp in params]
+
+    def shaped(self, sp: ShardedParam) -> torch.Tensor:
+        """The shard in its parameter's shape (a world of one, where the shard is the whole parameter), to
+        write; cached per flat buffer tensor (param_shaped_views)."""
+        if self.buffer is not None:
+            return self.param_shaped_views()[sp]
+        return self.view(sp).view(sp.shape)
 
     def param_shaped_views(self) -> dict[ShardedParam, torch.Tensor]:
         """Every slot viewed in its parameter's shape, made once per buffer tensor: at a world of one a
         slot holds the whole parameter, and the reducer adds gradients into these (or autograd does:
-        zero3.runtime.grad_hooks)."""
+        zero3.runtime.grad_hooks). On demand: the shards held now."""
+        if self.buffer is None:
+            return {sp: self.view(sp).view(sp.shape) for sp in self._own}
         tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
         if tensor is not self._shaped_of:
             self._shaped = {
@@ -85,9 +206,83 @@ class GradShards:
             self._shaped_of = tensor
         return self._shaped
 
+    # ---- what the step reads ----------------------------------------------------------
+    def copy_range(self, offset: int, pieces: Sequence[ShardPiece], into: torch.Tensor) -> None:
+        """Elements [offset, offset + into.numel()) of the flat layout into `into`; `pieces` tile the
+        range, in order."""
+        if self.buffer is not None:
+            into.copy_(self.buffer.view(offset, into.numel()))
+            return
+        cursor = 0
+        for piece in pieces:
+            target = into[cursor : cursor + piece.numel]
+            if piece.sp in self._own:
+                target.copy_(self.view(piece.sp)[piece.start : piece.start + piece.numel])
+            else:
+                target.zero_()
+            cursor += piece.numel
+
+    def squared_norm(self) -> torch.Tensor:
+        """The sum of squares of every shard, in fp32: the flat layout in NORM_CHUNK windows, a norm each,
+        summed (a 16-bit window is cast to fp32 whole, so none is larger). On demand, a window that is not
+        part of one held shard is put together in a scratch window first (see the Note: the same windows,
+        the same addresses modulo ALIGN_BYTES, the same arithmetic)."""
+        if self.numel == 0:
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        if self.buffer is not None:
+            tensor = self.buffer.tensor
+            if tensor is not self._pieces_of:  # a flat buffer's windows are made once per tensor
+                self._pieces, self._pieces_of = list(tensor.split(NORM_CHUNK)), tensor
+            return torch.stack(torch._foreach_norm(self._pieces, 2, dtype=torch.float32)).pow(2).sum()
+        norms = []
+        scratch: torch.Tensor | None = None
+        for start in range(0, self.numel, NORM_CHUNK):
+            numel = min(NORM_CHUNK, self.numel - start)
+            pieces = self._pieces_in(start, numel)
+            if len(pieces) == 1 and pieces[0].sp in self._own:  # inside one shard: itself
+                sp, first = pieces[0].sp, pieces[0].start
+                window = self.view(sp)[first : first + numel]
+            else:
+                if scratch is None:
+                    scratch = torch.empty(min(NORM_CHUNK, self.numel), dtype=self._dtype, device=self._device)
+                window = scratch[:numel]
+                self.copy_range(start, pieces, window)
+            norms.append(torch._foreach_norm([window], 2, dtype=torch.float32)[0])
+        return torch.stack(norms).pow(2).sum()
+
+    def _pieces_in(self, start: int, numel: int) -> list[_Piece]:
+        """The shards' pieces that tile elements [start, start + numel) of the flat layout, in order."""
+        index = bisect.bisect_right(self._starts, start) - 1
+        pieces = []
+        end = start + numel
+        while start < end:
+            sp = self.params[index]
+            offset = self._starts[index]
+            take = min(end, offset + sp.shard_numel) - start
+            if take > 0:
+                pieces.append(_Piece(sp, start - offset, take))
+                start += take
+            index += 1
+        return pieces
+
+    def sum_whole(self, reduce: Callable[[torch.Tensor], object]) -> None:
+        """Apply an in-place collective (`reduce`) to every shard at once, in the flat layout: the flat
+        buffer itself, or (on demand) a flat copy, written back into shards made for every parameter."""
+        if self.buffer is not None:
+            reduce(self.buffer.tensor)
+            return
+        flat = torch.zeros(self.numel, dtype=self._dtype, device=self._device)
+        for sp, (buffer, lead) in self._own.items():
+            flat.narrow(0, self.offsets[sp], sp.shard_numel).copy_(buffer.view(lead, sp.shard_numel))
+        reduce(flat)
+        for sp in self.params:
+            self.view(sp).copy_(flat.narrow(0, self.offsets[sp], sp.shard_numel))
+
+    # ---- lifetime ---------------------------------------------------------------------
     def forget_views(self) -> None:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._shaped, self._shaped_of = {}, None
+        self._pieces, self._pieces_of = [], None
         self._droppable = None  # nor may the mapping outlive the tensor; a moved buffer is zeroed by writing
 
     def mark_arrived(self, sp: ShardedParam) -> None:
@@ -97,11 +292,14 @@ class GradShards:
         return any(self.arrived.values())
 
     def zero(self) -> None:
-        tensor = self.buffer.tensor
-        if self._droppable is not None and tensor is self._droppable.tensor:
-            self._droppable.zero()
+        if self.buffer is None:
+            self._own.clear()  # on demand: the shards are dropped (see the Note)
         else:
-            tensor.zero_()
+            tensor = self.buffer.tensor
+            if self._droppable is not None and tensor is self._droppable.tensor:
+                self._droppable.zero()
+            else:
+                tensor.zero_()
         for sp in self.arrived:
             self.arrived[sp] = False
 
@@ -112,4 +310,6 @@ class GradShards:
             if _OWNER.get(sp) is self:
                 del _OWNER[sp]
         self.slots.clear()
+        self._own.clear()
         self.arrived.clear()
+

@@ -186,7 +186,6 @@ class ZeroOptimizer:
         if grads.params != self.params:
             raise ValueError("the gradient shards must be laid out in the optimizer's parameter order")
         self.grads = grads
-        self.lp_grads = grads.buffer
         # The 16-bit shards could not all be written after a step: rewritten from the masters first thing.
         self.lp_stale = False
         self.lp_write_error: StepIOError | None = None
@@ -256,7 +255,7 @@ class ZeroOptimizer:
             self._set_up_muon(groups, matrix_bucket_numel)
         self._lp_on_disk = False
         self.link_lp()
-        self.grads_in_place = steps_on_its_gradients(self.lp_grads.tensor, self.step_device, self.states.transactional,
+        self.grads_in_place = steps_on_its_gradients(grads, self.step_device, self.states.transactional,
                                                      muon=self.exchange is not None)
         # ZeRO-Offload's step begun during the backward (zero3.runtime.early_step), where the engine asks.
         self.early: EarlySteps | None = None
@@ -323,7 +322,7 @@ class ZeroOptimizer:
             sub = self.sub_groups[index]
             group = self.optimizer.param_groups[sub.group_index]
             grad = work[: sub.numel]
-            grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
+            self._fill_grad(sub, grad)
             if coefficient is not None:
                 grad.mul_(coefficient)
             cursor = 0
@@ -430,10 +429,10 @@ class ZeroOptimizer:
         them never waits on the accelerator (see [Note: a step without host syncs]).
         """
         if self.replica_step is not None:
-            self.replica_step.average(self.lp_grads.tensor)  # torchft's replicas (zero3.fault_tolerance)
-        else:
-            self.comm.all_reduce_replicas(self.lp_grads.tensor)  # see the Note there
-        squared = self.comm.all_reduce_sum(squared_norm(self.lp_grads.tensor).reshape(1).to(self.device))
+            self.grads.sum_whole(self.replica_step.average)  # torchft's replicas (zero3.fault_tolerance)
+        elif self.comm.has_replicas:
+            self.grads.sum_whole(self.comm.all_reduce_replicas)  # see the Note there
+        squared = self.comm.all_reduce_sum(self.grads.squared_norm().reshape(1).to(self.device))
         if self.comm.job_alone:
             return squared[0], failed  # nothing to agree with: this rank's flags are everyone's
         arrived = self.grads.arrived
@@ -485,7 +484,7 @@ class ZeroOptimizer:
             self.repair_lp()
             # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
             # out-of-memory here is a step no rank applies.
-            work = self.lp_grads.tensor if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
+            work = self._in_place_grads() if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             failure = failure or error
         scale = self.loss_scaler.loss_scale
@@ -592,7 +591,7 @@ class ZeroOptimizer:
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
-            grad = self.lp_grads.view(sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
+            grad = work.narrow(0, sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
             self.step_sub_group(sub, window, coefficient, found_inf, grad, fill_grad=not self.grads_in_place)
             if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
@@ -668,6 +667,15 @@ class ZeroOptimizer:
                 failed = True
             self.lp_stale = self.protocol.flags([failed])[0]
 
+    def _fill_grad(self, sub: SubGroup, grad: torch.Tensor) -> None:
+        """The sub-group's reduced gradients into `grad` (its dtype: the step's fp32)."""
+        self.grads.copy_range(sub.offset, sub.pieces, grad)
+
+    def _in_place_grads(self) -> torch.Tensor:
+        """The reduced gradients the step runs on in place (`grads_in_place`): the flat buffer."""
+        assert self.grads.buffer is not None
+        return self.grads.buffer.tensor
+
     def step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
         found_inf: torch.Tensor | None, grad: torch.Tensor, fill_grad: bool,
@@ -677,7 +685,7 @@ class ZeroOptimizer:
         # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults); or,
         # with `grads_in_place`, `grad` is the reduced gradients themselves.
         if fill_grad:
-            grad.copy_(self.lp_grads.view(sub.offset, sub.numel))
+            self._fill_grad(sub, grad)
         if coefficient is not None:
             grad.mul_(coefficient)
         if not self._views_bound:
@@ -838,20 +846,17 @@ class ZeroOptimizer:
     def state_bytes(self) -> dict[str, int]:
         return {
             "hp_params": self.hp_params.nbytes if self.hp_params is not None else 0,
-            "lp_grads": self.lp_grads.nbytes,
+            "lp_grads": self.grads.nbytes,
             "optim_states": sum(buf.nbytes for buf in self.moments.values()),
         }
 
 
-NORM_CHUNK = 1 << 20
-
-
-def steps_on_its_gradients(grads: torch.Tensor, step_device: torch.device, transactional: bool, muon: bool) -> bool:
+def steps_on_its_gradients(grads: GradShards, step_device: torch.device, transactional: bool, muon: bool) -> bool:
     """Whether the step runs on views of the reduced gradients `grads`, scaled in place (zero_grad clears them
-    after the step), instead of on an fp32 copy of each sub-group's: where they are fp32 on the step's device.
-    Not where a failed step can be retried (a transactional tier keeps the gradients for it) or Muon's
-    exchange reads them."""
-    return grads.dtype == torch.float32 and grads.device == step_device and not transactional and not muon
+    after the step), instead of on an fp32 copy of each sub-group's: where they are fp32 in one flat buffer on
+    the step's device. Not where a failed step can be retried (a transactional tier keeps the gradients for
+    it) or Muon's exchange reads them."""
+    return grads.steps_in_place(step_device) and not transactional and not muon
 
 
 def _check_shard_is_master(sp: ShardedParam, step_device: torch.device) -> None:
@@ -882,15 +887,6 @@ def _lp_runs(sub: SubGroup) -> list[tuple[FlatBuffer, int, int, int]]:
             merged.append((lp.buffer, start, cursor, piece.numel))
         cursor += piece.numel
     return merged
-
-
-def squared_norm(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of squares in fp32. A 16-bit buffer goes a cache-sized chunk at a time: a single
-    `vector_norm(dtype=float32)` casts the whole buffer to fp32 in memory first."""
-    if flat.dtype == torch.float32 or flat.numel() <= NORM_CHUNK:
-        return torch.linalg.vector_norm(flat, 2, dtype=torch.float32).pow(2)
-    norms = torch._foreach_norm(list(flat.split(NORM_CHUNK)), 2, dtype=torch.float32)
-    return torch.stack(norms).pow(2).sum()
 
 
 def _split(sps: list[ShardedParam], limit: int) -> list[list[Piece]]:
