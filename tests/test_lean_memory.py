@@ -207,6 +207,26 @@ def test_lean_gradient_shards_live_from_the_backward_to_the_step(tmp_path: Any) 
             assert sum(out["lean_parked"].values()) == held[6] and "nvme" in out["lean_parked"], out["lean_parked"]
 
 
+def with_replicas(rank: int, world: int) -> dict[str, Any]:
+    """MiCS with a shard group of 1: each rank a replica of the other, whose gradients are summed once a step
+    (lean mode sums a flat copy of its shards, then writes every shard back)."""
+    data = models.batches("tokens", STEPS, 2 * world)
+    runs = []
+    for lean in (False, True):
+        engine, model = build(OPTIMIZERS["AdamW"], lean, mics_shard_size=1)
+        runs.append((models.mean_losses(engine, rank, world, data), masters(model),
+                     engine.model_state_bytes()["lp_grads"]))
+        engine.destroy()
+    (losses, full, _), (lean_losses, lean_full, lean_grads) = runs
+    return {"losses": losses == lean_losses, "masters": all(torch.equal(full[k], lean_full[k]) for k in full),
+            "lean_grads": lean_grads}
+
+
+def test_lean_memory_sums_replicas_alike() -> None:
+    for out in run_ranks(2, with_replicas):
+        assert out == {"losses": True, "masters": True, "lean_grads": 0}, out
+
+
 def states_and_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     """ZeRO-Offload's host masters, offload_states and reload_states, a checkpoint saved in one mode and
     loaded in the other, and a GatheredParameters edit: each in both modes, compared."""
