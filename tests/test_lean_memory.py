@@ -143,7 +143,7 @@ class TwoHeads(nn.Module):
 MICRO_STEPS = [(False, True), (False, False), (True, False)]
 
 
-def gradients_from_backward_to_step(rank: int, world: int, root: str) -> dict[str, Any]:
+def gradients_from_backward_to_step(rank: int, world: int, root: str, accum: str) -> dict[str, Any]:
     """Both modes with 2 micro-steps a step, clipped: the gradient shards each reader sees after every
     micro-step, the bytes held, the masters after every step; in the last step the gradients are parked on
     disk between the micro-steps. The clipping norm's windows are made small here, so that some lie inside
@@ -158,6 +158,7 @@ def gradients_from_backward_to_step(rank: int, world: int, root: str) -> dict[st
         cfg = config(OPTIMIZERS["AdamW"], lean)
         cfg["gradient_accumulation_steps"] = 2
         cfg["gradient_clipping"] = 1e-3  # every step clipped: its masters follow the norm's every bit
+        cfg["data_types"] = {"grad_accum_dtype": accum}  # fp32: the step runs on the shards themselves
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         engine = zero3.initialize(model=model, config=cfg)[0]
         seen: dict[str, Any] = {"grads": [], "held": [], "masters": []}
@@ -189,10 +190,11 @@ def test_lean_gradient_shards_live_from_the_backward_to_the_step(tmp_path: Any) 
     """Lean mode's gradient shards are made as the backward reaches them and dropped at the step, and
     everything reads as in the default layout: the accessors between micro-steps, the clipped step's masters
     (the norm sums the same pieces), a head without gradients in a whole step, the shards parked on disk
-    between micro-steps. A world of one makes a shard at its gradient; at 2 ranks every landed reduction
-    makes its parameters' shards (a head unused everywhere lands zeros)."""
-    for world in (1, 2):
-        for out in run_ranks(world, gradients_from_backward_to_step, str(tmp_path / f"w{world}")):
+    between micro-steps. A world of one makes a unit's shards at its first gradient; at 2 ranks every landed
+    reduction makes its parameters' (a head unused everywhere lands zeros). With fp32 accumulation the step
+    runs on the shards themselves, with bf16 on an fp32 copy of each sub-group's."""
+    for world, accum in ((1, "bf16"), (2, "bf16"), (2, "fp32")):
+        for out in run_ranks(world, gradients_from_backward_to_step, str(tmp_path / f"w{world}{accum}"), accum):
             assert all(diff == [] for diff in out["grads"]), out["grads"]
             assert all(diff == [] for diff in out["masters"]), out["masters"]
             full = out["default_held"][0]

@@ -212,7 +212,9 @@ def build(
     grads = None
     if spec is not None:
         # Lean memory mode makes each shard at its first gradient and drops it at the step (its Note there).
-        grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device, on_demand=bool(lean))
+        grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device,
+                           on_demand=bool(lean),
+                           group_of={sp: unit for unit in all_units for sp in unit.params})
     reducer = GradientReducer(
         grad_reduce(gather.mesh, comm), trainable, config.communication_dtype, device,
         zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients, grads,

@@ -20,20 +20,23 @@ writing: its memory is small beside the step's peak, and the faults were a
 sixth of the 16 x 64 stand-in's step (benchmarks/step_time.py).
 
 [Note: gradients held only from the backward to the step]
-In lean memory mode (zero3.partition.lean) the shards have no flat buffer:
-each parameter's shard is a tensor of its own, made (zeroed) when its first
-gradient lands and dropped by the step's `zero()`, as FSDP2 makes its sharded
-gradients in the backward and frees them at `zero_grad`. Between steps they
-hold no memory, and during the backward the shards of the parameters not yet
-reached hold none either. The flat layout's offsets still place everything
-else (the optimizer's sub-groups read their pieces from whichever tensors
-exist, zeros for the rest), and both forms give the same arithmetic: the
-squared norm sums the norms of the same NORM_CHUNK windows of the flat
-layout, each window either a view inside one shard or put together in a
-scratch window, and an own shard starts at the address its flat slot would
-have modulo ALIGN_BYTES (a window, at a multiple of NORM_CHUNK, starts
-aligned), so a kernel that vectorizes by alignment adds the same elements in
-the same order.
+In lean memory mode (zero3.partition.lean) the shards have no flat buffer.
+They are made a chunk at a time: a chunk is a run of shards next to each
+other in the flat layout whose parameters share a gather unit, so the
+backward reaches a chunk at once. A chunk is made (zeroed) when the first
+gradient of any of its shards lands and dropped by the step's `zero()`, as
+FSDP2 makes its sharded gradients in the backward and frees them at
+`zero_grad`. Between steps the shards hold no memory, and during the
+backward the chunks not yet reached hold none either. The flat layout's
+offsets still place everything else: the optimizer's sub-groups read their
+pieces from whichever chunks exist, zeros for the rest, and fp32 gradients
+on the step's device are stepped on in place, piece by piece. Both forms
+give the same arithmetic. The squared norm sums the norms of the same
+NORM_CHUNK windows of the flat layout, each window a view inside one chunk
+or put together in a scratch window. A chunk starts at the address its flat
+stretch would have modulo ALIGN_BYTES, and a window, at a multiple of
+NORM_CHUNK, starts aligned, so a kernel that vectorizes by alignment adds
+the same elements in the same order.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -78,7 +81,7 @@ class _Piece:
 
 class GradShards:
     def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device,
-                 on_demand: bool = False) -> None:
+                 on_demand: bool = False, group_of: Mapping[ShardedParam, object] | None = None) -> None:
         self.params = params
         self.on_demand = on_demand  # each shard a tensor of its own, from its first gradient to the step
         self._dtype = dtype
@@ -103,11 +106,26 @@ class GradShards:
             cursor += sp.shard_numel
             _OWNER[sp] = self
         self.numel = cursor
-        self._index = {sp: index for index, sp in enumerate(params)}  # names an own shard's buffer
         self._starts = [self.offsets[sp] for sp in params]  # ascending: the shards lie in order
-        # On demand: each held shard's buffer (a FlatBuffer, so offload_states can move it) and where the
-        # shard starts in it (see the Note).
-        self._own: dict[ShardedParam, tuple[FlatBuffer, int]] = {}
+        self._position = {sp: index for index, sp in enumerate(params)}
+        # On demand, shards are made a chunk at a time: a run of shards next to each other in the flat
+        # layout whose parameters share a group (`group_of`: the gather unit; none: a shard each), so a
+        # chunk is a stretch of the flat layout the backward reaches at once.
+        self._chunk_of: dict[ShardedParam, int] = {}
+        self._chunks: list[tuple[int, int]] = []  # (offset in the flat layout, elements)
+        for sp in params:
+            previous = self.params[self._index_before(sp)] if self._chunks else None
+            if previous is not None and group_of is not None and group_of.get(sp) is not None \
+                    and group_of.get(sp) == group_of.get(previous):
+                offset, numel = self._chunks[-1]
+                self._chunks[-1] = (offset, numel + sp.shard_numel)
+            else:
+                self._chunks.append((self.offsets[sp], sp.shard_numel))
+            self._chunk_of[sp] = len(self._chunks) - 1
+        # Each held chunk's buffer (a FlatBuffer, so offload_states can move it) and where the chunk starts
+        # in it (see the Note); each shard's view, made once (dropped with the chunks, or before they move).
+        self._own: dict[int, tuple[FlatBuffer, int]] = {}
+        self._views: dict[ShardedParam, torch.Tensor] = {}
         # Whether a gradient reached the parameter since the last step (on this rank, until agreed).
         self.arrived: dict[ShardedParam, bool] = dict.fromkeys(params, False)
         # Each slot's view in its parameter's shape, made once per buffer tensor: a world of one adds every
@@ -151,28 +169,40 @@ class GradShards:
         return [buffer for buffer, _ in self._own.values()]
 
     def steps_in_place(self, step_device: torch.device) -> bool:
-        """Whether a step can run on views of these gradients themselves: fp32 in one flat buffer on the
-        step's device (the caller adds its own conditions)."""
-        return self.buffer is not None and self._dtype == torch.float32 and self.buffer.tensor.device == step_device
+        """Whether a step can run on views of these gradients themselves: fp32 on the step's device (the
+        caller adds its own conditions)."""
+        device = self.buffer.tensor.device if self.buffer is not None else self._device
+        return self._dtype == torch.float32 and device == step_device
 
     # ---- one parameter's shard ------------------------------------------------------
     def held(self, sp: ShardedParam) -> bool:
         """Whether the shard has memory (always, in a flat buffer)."""
-        return self.buffer is not None or sp in self._own
+        return self.buffer is not None or self._chunk_of[sp] in self._own
 
     def view(self, sp: ShardedParam) -> torch.Tensor:
-        """The parameter's gradient shard, to write (on demand: made, zeroed, if it has none yet)."""
+        """The parameter's gradient shard, to write (on demand: made, zeroed, with its chunk if that has
+        none yet)."""
         if self.buffer is not None:
             return self.slots[sp].view()
-        own = self._own.get(sp)
+        view = self._views.get(sp)
+        if view is None:
+            chunk = self._chunk_of[sp]
+            buffer, lead = self._held_chunk(chunk)
+            view = self._views[sp] = buffer.view(lead + self.offsets[sp] - self._chunks[chunk][0], sp.shard_numel)
+        return view
+
+    def _held_chunk(self, chunk: int) -> tuple[FlatBuffer, int]:
+        own = self._own.get(chunk)
         if own is None:
+            offset, numel = self._chunks[chunk]
             # Zeroed, then added to: the same arithmetic as a zeroed flat slot (a copy would keep a -0.0).
-            lead = (self.offsets[sp] * self._dtype.itemsize) % ALIGN_BYTES // self._dtype.itemsize
-            storage = torch.zeros(lead + sp.shard_numel, dtype=self._dtype, device=self._device)
-            own = (FlatBuffer(f"lp_grads.{self._index[sp]}", storage, state="lp_grads"), lead)
-            self._own[sp] = own
-        buffer, lead = own
-        return buffer.view(lead, sp.shard_numel)
+            lead = (offset * self._dtype.itemsize) % ALIGN_BYTES // self._dtype.itemsize
+            storage = torch.zeros(lead + numel, dtype=self._dtype, device=self._device)
+            own = self._own[chunk] = (FlatBuffer(f"lp_grads.{chunk}", storage, state="lp_grads"), lead)
+        return own
+
+    def _index_before(self, sp: ShardedParam) -> int:
+        return self._position[sp] - 1
 
     def read(self, sp: ShardedParam) -> torch.Tensor:
         """The parameter's gradient shard, to read: a view, or zeros where an on-demand shard has none."""
@@ -197,7 +227,7 @@ class GradShards:
         slot holds the whole parameter, and the reducer adds gradients into these (or autograd does:
         zero3.runtime.grad_hooks). On demand: the shards held now."""
         if self.buffer is None:
-            return {sp: self.view(sp).view(sp.shape) for sp in self._own}
+            return {sp: self.view(sp).view(sp.shape) for sp in self.params if self._chunk_of[sp] in self._own}
         tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk
         if tensor is not self._shaped_of:
             self._shaped = {
@@ -216,7 +246,7 @@ class GradShards:
         cursor = 0
         for piece in pieces:
             target = into[cursor : cursor + piece.numel]
-            if piece.sp in self._own:
+            if self._chunk_of[piece.sp] in self._own:
                 target.copy_(self.view(piece.sp)[piece.start : piece.start + piece.numel])
             else:
                 target.zero_()
@@ -239,9 +269,10 @@ class GradShards:
         for start in range(0, self.numel, NORM_CHUNK):
             numel = min(NORM_CHUNK, self.numel - start)
             pieces = self._pieces_in(start, numel)
-            if len(pieces) == 1 and pieces[0].sp in self._own:  # inside one shard: itself
-                sp, first = pieces[0].sp, pieces[0].start
-                window = self.view(sp)[first : first + numel]
+            chunk = self._chunk_of[pieces[0].sp]
+            if chunk in self._own and chunk == self._chunk_of[pieces[-1].sp]:  # inside one chunk: itself
+                buffer, lead = self._own[chunk]
+                window = buffer.view(lead + start - self._chunks[chunk][0], numel)
             else:
                 if scratch is None:
                     scratch = torch.empty(min(NORM_CHUNK, self.numel), dtype=self._dtype, device=self._device)
@@ -272,8 +303,9 @@ class GradShards:
             reduce(self.buffer.tensor)
             return
         flat = torch.zeros(self.numel, dtype=self._dtype, device=self._device)
-        for sp, (buffer, lead) in self._own.items():
-            flat.narrow(0, self.offsets[sp], sp.shard_numel).copy_(buffer.view(lead, sp.shard_numel))
+        for chunk, (buffer, lead) in self._own.items():
+            offset, numel = self._chunks[chunk]
+            flat.narrow(0, offset, numel).copy_(buffer.view(lead, numel))
         reduce(flat)
         for sp in self.params:
             self.view(sp).copy_(flat.narrow(0, self.offsets[sp], sp.shard_numel))
@@ -283,6 +315,7 @@ class GradShards:
         """Drop the cached views (the buffer is about to move: they would keep its memory)."""
         self._shaped, self._shaped_of = {}, None
         self._pieces, self._pieces_of = [], None
+        self._views.clear()
         self._droppable = None  # nor may the mapping outlive the tensor; a moved buffer is zeroed by writing
 
     def mark_arrived(self, sp: ShardedParam) -> None:
@@ -294,6 +327,7 @@ class GradShards:
     def zero(self) -> None:
         if self.buffer is None:
             self._own.clear()  # on demand: the shards are dropped (see the Note)
+            self._views.clear()
         else:
             tensor = self.buffer.tensor
             if self._droppable is not None and tensor is self._droppable.tensor:

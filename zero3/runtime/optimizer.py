@@ -591,7 +591,7 @@ class ZeroOptimizer:
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
-            grad = work.narrow(0, sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
+            grad = self._in_place_window(work, sub) if self.grads_in_place else work[: sub.numel]
             self.step_sub_group(sub, window, coefficient, found_inf, grad, fill_grad=not self.grads_in_place)
             if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
@@ -672,26 +672,43 @@ class ZeroOptimizer:
         self.grads.copy_range(sub.offset, sub.pieces, grad)
 
     def _in_place_grads(self) -> torch.Tensor:
-        """The reduced gradients the step runs on in place (`grads_in_place`): the flat buffer."""
-        assert self.grads.buffer is not None
+        """The reduced gradients the step runs on in place (`grads_in_place`): the flat buffer, or an empty
+        tensor where each shard is a tensor of its own (each sub-group then takes its pieces' views)."""
+        if self.grads.buffer is None:
+            return torch.empty(0, device=self.step_device)
         return self.grads.buffer.tensor
+
+    def _in_place_window(self, work: torch.Tensor, sub: SubGroup) -> torch.Tensor | None:
+        """A sub-group's gradients to step in place: its window of the flat buffer, or None (own shards)."""
+        return work.narrow(0, sub.offset, sub.numel) if self.grads.buffer is not None else None
 
     def step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
-        found_inf: torch.Tensor | None, grad: torch.Tensor, fill_grad: bool,
+        found_inf: torch.Tensor | None, grad: torch.Tensor | None, fill_grad: bool,
     ) -> None:
-        """Step one sub-group's window from `grad` (`fill_grad`: copied there from lp_grads first)."""
+        """Step one sub-group's window from `grad` (`fill_grad`: copied there from lp_grads first; None: in
+        place, on the views of its pieces' own gradient shards)."""
         # This sub-group's fp32 gradients, made in `grad` from the 16-bit ones (never stored): the step's
         # working memory, the idle reduce bucket when it is large enough (a fresh buffer page-faults); or,
         # with `grads_in_place`, `grad` is the reduced gradients themselves.
-        if fill_grad:
-            self._fill_grad(sub, grad)
-        if coefficient is not None:
-            grad.mul_(coefficient)
+        arrived = self.grads.arrived
+        if grad is None:
+            piece_grads: list[torch.Tensor | None] = [
+                self.grads.view(piece.sp)[piece.start : piece.start + piece.numel] if arrived[piece.sp] else None
+                for piece in sub.pieces]
+            if coefficient is not None:
+                present = [piece_grad for piece_grad in piece_grads if piece_grad is not None]
+                if present:
+                    torch._foreach_mul_(present, coefficient)
+        else:
+            if fill_grad:
+                self._fill_grad(sub, grad)
+            if coefficient is not None:
+                grad.mul_(coefficient)
+            piece_grads = list(grad.split(sub.piece_numels))
         if not self._views_bound:
             self._bind(sub, window)
-        arrived = self.grads.arrived
-        for piece, master, piece_grad in zip(sub.pieces, sub.masters, grad.split(sub.piece_numels)):
+        for piece, master, piece_grad in zip(sub.pieces, sub.masters, piece_grads):
             master.grad = piece_grad if arrived[piece.sp] else None
         if self.fused:
             self.optimizer.found_inf = found_inf  # read by torch's fused kernels only
