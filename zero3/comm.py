@@ -419,9 +419,10 @@ class Communicator:
         boundary): the same bytes cross between replicas, once per step rather
         than once per micro-step.
         """
-        topology = self.topology
-        if topology is None or topology.shard.replicate_size == 1:
+        if not self.has_replicas:
             return tensor
+        topology = self.topology
+        assert topology is not None
         group = topology.replicate_group
         if tensor.device.type == "cpu" and dist.get_backend(group) != "gloo":
             group = topology.host_replicate_group

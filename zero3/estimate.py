@@ -268,7 +268,7 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     # the fp32 masters and moments follow offload_optimizer; the reduced gradients stay beside the device
     # except with ZeRO-Offload ("cpu"), where the host steps them; the 16-bit shards follow offload_param.
     optimizer_home = {"none": "device", "cpu": "host", "nvme": "disk"}[settings.offload_optimizer]
-    grads_home = "host" if settings.offload_optimizer == "cpu" else "device"
+    grads_home = _grads_home(settings)
     lp_home = "device" if settings.offload_param == "none" else "host"
     lp_size = settings.compute_dtype.itemsize
     places: dict[str, dict[str, int]] = {state: dict.fromkeys(PLACES, 0) for state in STATES}
@@ -286,13 +286,17 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     return places
 
 
+def _grads_home(settings: EstimateSettings) -> str:
+    """Where the reduced gradients live: beside the device, except with ZeRO-Offload, where the host steps them."""
+    return "host" if settings.offload_optimizer == "cpu" else "device"
+
+
 def backward_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, int]:
     """Place -> bytes a backward makes and the step drops: lean memory mode's gradient shards, at most all
     of them (where ZeRO-Offload keeps them: the host; else the device)."""
     if not settings.lean:
         return {}
-    place = "host" if settings.offload_optimizer == "cpu" else "device"
-    return {place: layout.trainable * settings.grad_dtype.itemsize}
+    return {_grads_home(settings): layout.trainable * settings.grad_dtype.itemsize}
 
 
 @dataclass(frozen=True)

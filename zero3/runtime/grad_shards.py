@@ -1,8 +1,8 @@
 """This rank's reduced gradient shards: the `lp_grads` state.
 
 One flat buffer (in `grad_accum_dtype`; host memory with ZeRO-Offload, else
-the device; in lean memory mode a tensor per shard instead, see the last
-Note) with a slot per trained parameter, laid out in the optimizer's
+the device; in lean memory mode chunks made as gradients land instead, see
+the last Note) with a slot per trained parameter, laid out in the optimizer's
 order, and which parameters got a gradient since the last step. The reducer
 adds landed shards into it, the optimizer steps from it and zeroes it; the
 engine builds it and hands it to both, so neither reaches into the other.
@@ -45,7 +45,6 @@ import bisect
 import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 import torch
 
@@ -58,22 +57,14 @@ _OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyD
 
 DROP_PAGES_FROM_BYTES = 64 << 20  # a host buffer at least this large is zeroed by dropping its pages
 NORM_CHUNK = 1 << 20  # elements per piece of the squared norm (a 16-bit piece is cast to fp32 whole)
-ALIGN_BYTES = 64  # an own shard keeps its flat slot's address modulo this (see the Note)
+ALIGN_BYTES = 64  # a chunk keeps its flat stretch's address modulo this (see the Note)
 
 
-class ShardPiece(Protocol):
-    """Elements [start, start + numel) of a parameter's shard (an optimizer sub-group's piece)."""
+@dataclass
+class Piece:
+    """`numel` elements of a parameter's shard, from `start` within it: the part one optimizer sub-group
+    steps, or one norm window holds."""
 
-    @property
-    def sp(self) -> ShardedParam: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def numel(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class _Piece:
     sp: ShardedParam
     start: int
     numel: int
@@ -83,7 +74,7 @@ class GradShards:
     def __init__(self, params: list[ShardedParam], dtype: torch.dtype, device: torch.device,
                  on_demand: bool = False, group_of: Mapping[ShardedParam, object] | None = None) -> None:
         self.params = params
-        self.on_demand = on_demand  # each shard a tensor of its own, from its first gradient to the step
+        self.on_demand = on_demand  # the shards in chunks of their own, from a first gradient to the step
         self._dtype = dtype
         self._device = device
         numel = sum(sp.shard_numel for sp in params)
@@ -107,21 +98,21 @@ class GradShards:
             _OWNER[sp] = self
         self.numel = cursor
         self._starts = [self.offsets[sp] for sp in params]  # ascending: the shards lie in order
-        self._position = {sp: index for index, sp in enumerate(params)}
         # On demand, shards are made a chunk at a time: a run of shards next to each other in the flat
         # layout whose parameters share a group (`group_of`: the gather unit; none: a shard each), so a
         # chunk is a stretch of the flat layout the backward reaches at once.
         self._chunk_of: dict[ShardedParam, int] = {}
         self._chunks: list[tuple[int, int]] = []  # (offset in the flat layout, elements)
+        previous_group: object = None
         for sp in params:
-            previous = self.params[self._index_before(sp)] if self._chunks else None
-            if previous is not None and group_of is not None and group_of.get(sp) is not None \
-                    and group_of.get(sp) == group_of.get(previous):
-                offset, numel = self._chunks[-1]
-                self._chunks[-1] = (offset, numel + sp.shard_numel)
+            group = group_of.get(sp) if group_of is not None else None
+            if group is not None and group == previous_group:
+                offset, length = self._chunks[-1]
+                self._chunks[-1] = (offset, length + sp.shard_numel)
             else:
                 self._chunks.append((self.offsets[sp], sp.shard_numel))
             self._chunk_of[sp] = len(self._chunks) - 1
+            previous_group = group
         # Each held chunk's buffer (a FlatBuffer, so offload_states can move it) and where the chunk starts
         # in it (see the Note); each shard's view, made once (dropped with the chunks, or before they move).
         self._own: dict[int, tuple[FlatBuffer, int]] = {}
@@ -201,9 +192,6 @@ class GradShards:
             own = self._own[chunk] = (FlatBuffer(f"lp_grads.{chunk}", storage, state="lp_grads"), lead)
         return own
 
-    def _index_before(self, sp: ShardedParam) -> int:
-        return self._position[sp] - 1
-
     def read(self, sp: ShardedParam) -> torch.Tensor:
         """The parameter's gradient shard, to read: a view, or zeros where an on-demand shard has none."""
         if self.held(sp):
@@ -211,8 +199,6 @@ class GradShards:
         return torch.zeros(sp.shard_numel, dtype=self._dtype, device=self._device)
 
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
-        if self.buffer is not None:
-            return [self.slots[sp].view() for sp in params]
         return [self.view(sp) for sp in params]
 
     def shaped(self, sp: ShardedParam) -> torch.Tensor:
@@ -237,7 +223,7 @@ class GradShards:
         return self._shaped
 
     # ---- what the step reads ----------------------------------------------------------
-    def copy_range(self, offset: int, pieces: Sequence[ShardPiece], into: torch.Tensor) -> None:
+    def copy_range(self, offset: int, pieces: Sequence[Piece], into: torch.Tensor) -> None:
         """Elements [offset, offset + into.numel()) of the flat layout into `into`; `pieces` tile the
         range, in order."""
         if self.buffer is not None:
@@ -281,7 +267,7 @@ class GradShards:
             norms.append(torch._foreach_norm([window], 2, dtype=torch.float32)[0])
         return torch.stack(norms).pow(2).sum()
 
-    def _pieces_in(self, start: int, numel: int) -> list[_Piece]:
+    def _pieces_in(self, start: int, numel: int) -> list[Piece]:
         """The shards' pieces that tile elements [start, start + numel) of the flat layout, in order."""
         index = bisect.bisect_right(self._starts, start) - 1
         pieces = []
@@ -291,14 +277,14 @@ class GradShards:
             offset = self._starts[index]
             take = min(end, offset + sp.shard_numel) - start
             if take > 0:
-                pieces.append(_Piece(sp, start - offset, take))
+                pieces.append(Piece(sp, start - offset, take))
                 start += take
             index += 1
         return pieces
 
     def sum_whole(self, reduce: Callable[[torch.Tensor], object]) -> None:
         """Apply an in-place collective (`reduce`) to every shard at once, in the flat layout: the flat
-        buffer itself, or (on demand) a flat copy, written back into shards made for every parameter."""
+        buffer itself, or (on demand) a flat copy, written back into every chunk (made where none was)."""
         if self.buffer is not None:
             reduce(self.buffer.tensor)
             return
@@ -307,8 +293,9 @@ class GradShards:
             offset, numel = self._chunks[chunk]
             flat.narrow(0, offset, numel).copy_(buffer.view(lead, numel))
         reduce(flat)
-        for sp in self.params:
-            self.view(sp).copy_(flat.narrow(0, self.offsets[sp], sp.shard_numel))
+        for chunk, (offset, numel) in enumerate(self._chunks):
+            buffer, lead = self._held_chunk(chunk)
+            buffer.view(lead, numel).copy_(flat.narrow(0, offset, numel))
 
     # ---- lifetime ---------------------------------------------------------------------
     def forget_views(self) -> None:

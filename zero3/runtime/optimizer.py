@@ -61,7 +61,7 @@ from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.early_step import EarlySteps
-from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.grad_shards import GradShards, Piece
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
 
@@ -69,15 +69,6 @@ if TYPE_CHECKING:
     from zero3.fault_tolerance.replica_step import ReplicaStep
 
 NOT_APPLIED = " (the step was applied on no rank)"
-
-
-@dataclass
-class Piece:
-    """`numel` elements of a parameter's shard, from `start` within it: the part one sub-group steps."""
-
-    sp: ShardedParam
-    start: int
-    numel: int
 
 
 @dataclass
