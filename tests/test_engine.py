@@ -116,8 +116,12 @@ def state_bytes(rank: int, world: int, threshold: int) -> dict:
 
 @worlds_on_devices(1, 2)
 def test_model_state_is_16P_over_N(world: int, device: str) -> None:
+    # Between steps: 16 bytes per parameter / N, DeepSpeed's; 14 at several CPU ranks, where the gradient
+    # shards are made by the backward and dropped at the step (zero3.runtime.grad_shards).
+    grads_on_demand = device == "cpu" and world > 1
     for result in run_ranks(world, state_bytes, 0):
-        expected = 16 * result["numel"] / world
+        expected = (14 if grads_on_demand else 16) * result["numel"] / world
+        assert (result["bytes"]["lp_grads"] == 0) == grads_on_demand, result
         states = result["bytes"]
         model_state = states["lp_params"] + states["hp_params"] + states["lp_grads"] + states["optim_states"]
         assert abs(model_state - expected) / expected <= 0.05, (states, expected)

@@ -281,6 +281,7 @@ def parked(engine: zero3.ZeroEngine, expected: dict[str, torch.Tensor], rank: in
         }
         engine.reload_states()
     out["lp_bytes"] = lp_bytes
+    out["grads_held"] = engine.optimizer.grads.nbytes > 0  # none between steps where made on demand (2 CPU ranks)
     out["reloaded_bit_exact"] = same(local_state(engine), before)
     out["trains_after"] = train(engine, rank, world)
     return out
@@ -444,7 +445,8 @@ def test_parked_states_stay_parked_and_the_stream_is_unchanged(results: list[dic
             assert entry["lp_devices"] == ["cpu" if case == "lp_cpu" else result["device"]]
             assert entry["bytes_read"] == 0
         if case.startswith("not_lp_nvme") or case.startswith("all_nvme"):
-            assert {"hp_params", "lp_grads", "optim_states"} <= set(entry["offloaded"])
+            parks_grads = {"lp_grads"} if parked["grads_held"] else set()
+            assert {"hp_params", "optim_states"} | parks_grads <= set(entry["offloaded"])
 
 
 def test_the_stream_leaves_every_state_bit_exact_and_training_goes_on(results: list[dict]) -> None:

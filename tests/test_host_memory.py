@@ -119,12 +119,11 @@ def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_gradient_shards_are_resident_only_from_backward_to_step(world: int) -> None:
-    """lp_grads (in host memory, at least DROP_PAGES_FROM_BYTES) holds no resident page after a step until
-    the next backward fills it again; between the micro-steps of an accumulation it keeps its pages (they
-    hold the sum so far)."""
-    for seen in run_ranks(world, gradient_residency, 1 << 20):
+def test_gradient_shards_are_resident_only_from_backward_to_step() -> None:
+    """A flat lp_grads (a world of one on the CPU: gradients added straight into it; at least
+    DROP_PAGES_FROM_BYTES) holds no resident page after a step until the next backward fills it again;
+    between the micro-steps of an accumulation it keeps its pages (they hold the sum so far)."""
+    for seen in run_ranks(1, gradient_residency, 1 << 20):
         assert seen["built"] == 0.0, seen
         for micro in range(4):
             assert seen[f"backward {micro}"] > 0.9, seen
@@ -135,22 +134,27 @@ def test_small_gradient_shards_are_zeroed_in_place() -> None:
     """Under DROP_PAGES_FROM_BYTES lp_grads is written with zeros, not handed back: its pages stay resident
     from step to step (a returning page costs a fault at every gradient), and it still starts each
     accumulation at zero (the losses and masters are the suite's reference tests')."""
-    seen = run_ranks(2, gradient_residency, 64 << 20)[0]
+    seen = run_ranks(1, gradient_residency, 64 << 20)[0]
     assert seen["built"] == 1.0, seen  # torch.zeros wrote it
     assert all(seen[f"step {micro}"] == 1.0 for micro in range(4)), seen
 
 
 # ---- the heap a backward frees goes back to the OS as the gradient shards fill ------------------------------
-def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> dict:
+def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool | None, flat: bool = True) -> dict:
     """Across a forward and the backward up to block 0's gradients (every later block's activations freed,
     their gradients landed): how much this rank's resident anonymous memory grew beyond what glibc's
-    allocator has handed out (MiB), and the hand-backs the backward made."""
+    allocator has handed out (MiB), and the hand-backs the backward made. `hand_back` None: the engine's
+    own choice; `flat`: lp_grads in one flat buffer even where the engine would make its shards on demand."""
     import ctypes
     import ctypes.util
 
     import zero3
     from zero3 import accelerator
     from zero3.models.gpt import GPT, GPTConfig
+    from zero3.runtime import build
+
+    if flat:
+        build.made_on_demand = lambda lean, *_: lean  # type: ignore[assignment]
 
     # Deterministic glibc: every block under 32 MiB (each activation here) from the heap, and free() never
     # trims the heap's top, so a freed activation's pages stay resident unless something hands them back.
@@ -162,7 +166,8 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> di
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=8, n_embd=256))
     engine = zero3.initialize(model=model, config=config)[0]
-    engine.reducer.heap_return.enabled = hand_back
+    if hand_back is not None:
+        engine.reducer.heap_return.enabled = hand_back
     engine.reducer.heap_return.every_bytes = 1 << 20  # this model's shards are 6 MiB: several hand-backs
     tokens = torch.randint(0, 65, (32, 65), generator=torch.Generator().manual_seed(rank))
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -181,7 +186,7 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> di
     engine.backward(engine(x, y)["loss"])
     handle.remove()
     seen = {"grown": grown[0], "hand_backs": engine.reducer.heap_return.calls - calls,
-            "buckets": len(engine.reducer.buckets)}
+            "buckets": len(engine.reducer.buckets), "flat": engine.optimizer.grads.buffer is not None}
     engine.destroy()
     return seen
 
@@ -189,8 +194,9 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> di
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2])  # a world of one adds each gradient straight to lp_grads
 def test_the_backward_hands_the_heap_it_frees_back_as_gradients_land(world: int) -> None:
-    """On the CPU the activations are heap blocks: freed by the backward, they would stay resident beside the
-    gradient shards' fresh pages. zero3 hands them back at the backward's start and as gradients land."""
+    """On the CPU the activations are heap blocks: freed by the backward, they would stay resident beside a
+    flat lp_grads' fresh pages. zero3 hands them back at the backward's start and as gradients land (at 2
+    ranks a flat lp_grads is forced here: the engine makes its shards on demand there, the test below)."""
     kept = run_ranks(world, freed_but_resident_in_backward, False)
     handed_back = run_ranks(world, freed_but_resident_in_backward, True)
     print(f"\nfreed heap still resident at block 0's backward (MiB per rank): "
@@ -201,6 +207,42 @@ def test_the_backward_hands_the_heap_it_frees_back_as_gradients_land(world: int)
         assert rank_handed_back["hand_backs"] >= min(4, rank_handed_back["buckets"]), rank_handed_back
         assert rank_kept["grown"] > 40, rank_kept  # the activations' freed pages, kept
         assert rank_handed_back["grown"] < 0.5 * rank_kept["grown"], (rank_kept, rank_handed_back)
+
+
+def gradient_bytes_held(rank: int, world: int) -> dict:
+    """lp_grads' bytes after each backward and each step, and whether the engine hands freed heap back."""
+    import zero3
+    from tests import models
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    model = models.TiedTransformer(vocab=64, dim=256, heads=4, layers=2)
+    engine = zero3.initialize(model=model, config=config)[0]
+    grads = engine.optimizer.grads
+    seen: dict = {"built": grads.nbytes, "flat": grads.buffer is not None,
+                  "hand_back": engine.reducer.heap_return.enabled, "model_state": engine.model_state_bytes()["lp_grads"]}
+    for micro, (x, y) in enumerate(models.batches("tokens", 4, 4 * world)):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        engine.backward(engine(x, y))
+        seen[f"backward {micro}"] = grads.nbytes
+        engine.step()
+        seen[f"step {micro}"] = grads.nbytes
+    seen["whole"] = grads.numel * grads.dtype.itemsize
+    engine.destroy()
+    return seen
+
+
+def test_gradient_shards_at_two_cpu_ranks_are_held_only_from_backward_to_step() -> None:
+    for seen in run_ranks(2, gradient_bytes_held):
+        assert not seen["flat"] and not seen["hand_back"], seen
+        assert seen["built"] == 0 and seen["model_state"] == 0, seen
+        for micro in range(4):
+            # Every shard made by the backward (with at most ALIGN_BYTES a chunk ahead of it), kept through
+            # the accumulation's first micro-step, dropped by the step that ends it.
+            assert seen["whole"] <= seen[f"backward {micro}"] < seen["whole"] + 4096, seen
+            assert seen[f"step {micro}"] == (0 if micro % 2 == 1 else seen[f"backward {micro}"]), seen
 
 
 def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,5 +264,9 @@ def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only(monkeypatch: py
     on_device.backward_begins()
     on_device.landed(100)
     assert len(calls) == 2 and on_device.calls == 0  # the activations are in device memory there
+    beside_shards_on_demand = FreedHeapReturn(torch.device("cpu"), every_bytes=10, needed=False)
+    beside_shards_on_demand.backward_begins()
+    beside_shards_on_demand.landed(100)
+    assert len(calls) == 2 and beside_shards_on_demand.calls == 0  # the shards reuse the freed heap
     with pytest.raises(ValueError, match="every_bytes must be positive, got 0"):
         FreedHeapReturn(torch.device("cpu"), every_bytes=0)

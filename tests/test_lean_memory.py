@@ -4,11 +4,15 @@ training is bit-identical with every optimizer class the suite covers (losses an
 16-bit values every reader sees (the accessors, `ds_tensor`, `iter_full_params`, GatheredParameters' edits),
 ZeRO-Offload's host masters, `offload_states`/`reload_states`, and checkpoints (saved in one mode, loaded in
 the other); the model state report loses exactly the trained parameters' 16-bit bytes, frozen parameters
-keep theirs, and a forward is refused while the masters are parked."""
+keep theirs, and a forward is refused while the masters are parked. The default layout here keeps its
+gradient shards in one flat buffer (`flat_gradients`), as it does on a device; at several CPU ranks the engine
+makes them on demand as lean mode does (zero3.runtime.grad_shards), checked against the flat buffer too."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,10 +62,26 @@ def config(optimizer: dict[str, Any], lean: bool, **zero: Any) -> dict[str, Any]
     }
 
 
+@contextlib.contextmanager
+def flat_gradients(flat: bool = True) -> Iterator[None]:
+    """Engines built inside keep the default layout's gradient shards in one flat buffer, even at several CPU
+    ranks (where the engine makes them on demand); lean mode's stay on demand."""
+    from zero3.runtime import build as engine_build
+
+    chosen = engine_build.made_on_demand
+    if flat:
+        engine_build.made_on_demand = lambda lean, *_, **__: lean  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        engine_build.made_on_demand = chosen
+
+
 def build(optimizer: dict[str, Any], lean: bool, **zero: Any) -> tuple[Any, nn.Module]:
     torch.manual_seed(0)
     model = FrozenEmbeddingLM()
-    return zero3.initialize(model=model, config=config(optimizer, lean, **zero))[0], model
+    with flat_gradients():
+        return zero3.initialize(model=model, config=config(optimizer, lean, **zero))[0], model
 
 
 def masters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -152,7 +172,9 @@ def gradients_from_backward_to_step(rank: int, world: int, root: str, accum: str
     g = torch.Generator().manual_seed(7)
     data = [[torch.randn(2 * world, 16, generator=g) for _ in micro] for micro in MICRO_STEPS]
     runs = {}
-    for lean in (False, True):
+    # The default layout with a flat buffer, lean mode, and (at 2 CPU ranks) the default as the engine builds it.
+    variants = [("default", False, True), ("lean", True, True)] + [("on_demand", False, False)] * (world > 1)
+    for name, lean, flat in variants:
         torch.manual_seed(0)
         model = TwoHeads()
         cfg = config(OPTIMIZERS["AdamW"], lean)
@@ -160,7 +182,8 @@ def gradients_from_backward_to_step(rank: int, world: int, root: str, accum: str
         cfg["gradient_clipping"] = 1e-3  # every step clipped: its masters follow the norm's every bit
         cfg["data_types"] = {"grad_accum_dtype": accum}  # fp32: the step runs on the shards themselves
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        engine = zero3.initialize(model=model, config=cfg)[0]
+        with flat_gradients(flat):
+            engine = zero3.initialize(model=model, config=cfg)[0]
         seen: dict[str, Any] = {"grads": [], "held": [], "masters": []}
         for step, (uses, batches) in enumerate(zip(MICRO_STEPS, data)):
             for micro, (use_b, x) in enumerate(zip(uses, batches)):
@@ -174,14 +197,20 @@ def gradients_from_backward_to_step(rank: int, world: int, root: str, accum: str
                 engine.step()
             seen["masters"].append(masters(model))
             seen["held"].append(engine.model_state_bytes()["lp_grads"])
-        runs[lean] = seen
+        runs[name] = seen
         engine.destroy()
-    default, lean = runs[False], runs[True]
+    default = runs["default"]
     shard_bytes = {name: 2 * -(-p.numel() // world) for name, p in TwoHeads().named_parameters()}  # bf16
+
+    def differ(key: str) -> list[list[str]]:
+        """Per record, the entries where some on-demand variant differs from the flat default."""
+        return [sorted(k for run in runs.values() for k in d if not torch.equal(d[k], run[key][i][k]))
+                for i, d in enumerate(default[key])]
+
     return {
-        "grads": [sorted(k for k in d if not torch.equal(d[k], l[k])) for d, l in zip(default["grads"], lean["grads"])],
-        "masters": [sorted(k for k in d if not torch.equal(d[k], l[k])) for d, l in zip(default["masters"], lean["masters"])],
-        "default_held": default["held"], "lean_held": lean["held"], "lean_parked": lean["parked"],
+        "grads": differ("grads"), "masters": differ("masters"),
+        "default_held": default["held"], "lean_held": runs["lean"]["held"], "lean_parked": runs["lean"]["parked"],
+        "on_demand": {key: runs["on_demand"][key] for key in ("held", "parked")} if "on_demand" in runs else None,
         "all_shards": sum(shard_bytes.values()), "head_b": shard_bytes["b.weight"] + shard_bytes["b.bias"],
     }
 
@@ -207,6 +236,8 @@ def test_lean_gradient_shards_live_from_the_backward_to_the_step(tmp_path: Any) 
             if world == 1:  # the second head's shards exist only where it had a gradient
                 assert held[3] == held[4] < held[1] and held[1] - held[0] >= out["head_b"], held
             assert sum(out["lean_parked"].values()) == held[6] and "nvme" in out["lean_parked"], out["lean_parked"]
+            if world > 1:  # the default layout at 2 CPU ranks holds and parks its shards as lean mode does
+                assert out["on_demand"] == {"held": held, "parked": out["lean_parked"]}, out["on_demand"]
 
 
 def with_replicas(rank: int, world: int) -> dict[str, Any]:

@@ -180,7 +180,8 @@ def test_an_fp32_engine_keeps_one_copy_of_its_parameters(tmp_path) -> None:
     for result, offloaded in zip(plain, moved):
         states = result["states"]
         assert states["hp_params"] == 0 and all(result["shared"]), states
-        assert states["lp_params"] == states["lp_grads"] > 0 and states["optim_states"] == 2 * states["lp_params"]
+        # 12 bytes an element; at 2 CPU ranks the gradient shards exist only from a backward to its step.
+        assert states["lp_params"] > 0 and states["lp_grads"] == 0 and states["optim_states"] == 2 * states["lp_params"]
         assert result["masters_equal_shards"]
         assert offloaded["losses"] == result["losses"] and len(set(result["losses"])) > 1
         assert all(torch.equal(a, b) for a, b in zip(offloaded["full"], result["full"]))

@@ -364,8 +364,8 @@ def _estimate_summary(result: estimates.Estimate, device_bytes: int) -> Table:
          f"disk {_human_bytes(result.on('disk') * result.ranks_per_node)} ({result.ranks_per_node} ranks)"),
     ]
     for place, nbytes in result.backward_bytes.items():
-        rows.append(("during a backward", f"up to {_human_bytes(nbytes)} more per rank on the {place}: lean memory "
-                     "mode's gradient shards, made as the backward reaches them and dropped at the step"))
+        rows.append(("during a backward", f"up to {_human_bytes(nbytes)} more per rank on the {place}: the gradient "
+                     "shards, made as the backward reaches them and dropped at the step"))
     if result.disk_files() != result.on("disk"):
         rows.append(("disk files", f"{_human_bytes(result.disk_files())} per rank: the optimizer's files come in "
                      "two generations (a failed step loses nothing)"))

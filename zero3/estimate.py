@@ -45,6 +45,7 @@ from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
 from zero3.partition.lean import in_effect, lean_units
+from zero3.runtime.grad_shards import made_on_demand
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
 from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
@@ -186,6 +187,7 @@ class RankLayout:
     persistent_gathered: int  # elements of the gathered persistent unit (0 when it gathers in place)
     scratch: int  # elements of the reduce bucket (contiguous_grad_buffer)
     hpz_secondary: int = 0  # 16-bit elements of hpZ's secondary shards (zero3.partition.secondary)
+    shard_group: int = 1  # the ranks each state is split over
 
 
 def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSettings, secondary: int = 1) -> RankLayout:
@@ -229,6 +231,7 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             scratch=reducer.scratch_numel(),
             # SecondaryShards: world/secondary primary shards of every unit but the persistent one
             hpz_secondary=world_size // secondary * sum(unit.shard_numel for unit in units) if secondary > 1 else 0,
+            shard_group=world_size,
         )
     finally:
         for p in params:
@@ -259,6 +262,7 @@ def layout_of_count(params: int, world_size: int, settings: EstimateSettings, se
     return RankLayout(
         lp_in_memory=in_memory, lp_on_disk=kept - in_memory, trainable=shard, persistent_gathered=0,
         scratch=capacity * slots, hpz_secondary=world_size // secondary * shard if secondary > 1 else 0,
+        shard_group=world_size,
     )
 
 
@@ -276,9 +280,10 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places["lp_params"]["disk"] += layout.lp_on_disk * lp_size
     if not masters_are_shards(settings.compute_dtype, settings.offload_optimizer, settings.offload_param):
         places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
-    # Lean memory mode holds the gradient shards only from the backward to the step
-    # (zero3.runtime.grad_shards' Note): none between steps, which is what these bytes are (`backward_bytes`).
-    places["lp_grads"][grads_home] = 0 if settings.lean else layout.trainable * settings.grad_dtype.itemsize
+    # Shards made on demand are held only from the backward to the step (zero3.runtime.grad_shards' Notes):
+    # none between steps, which is what these bytes are (`backward_bytes`).
+    places["lp_grads"][grads_home] = 0 if _grads_on_demand(layout, settings) else (
+        layout.trainable * settings.grad_dtype.itemsize)
     places["optim_states"][optimizer_home] = settings.optimizer_states * layout.trainable * FP32_BYTES
     places["persistent_params"]["device"] = layout.persistent_gathered * lp_size
     places["hpz_secondary"]["device"] = layout.hpz_secondary * lp_size
@@ -291,10 +296,17 @@ def _grads_home(settings: EstimateSettings) -> str:
     return "host" if settings.offload_optimizer == "cpu" else "device"
 
 
+def _grads_on_demand(layout: RankLayout, settings: EstimateSettings) -> bool:
+    """Whether the engine makes the gradient shards as they land (build's rule; no overlapped host step here)."""
+    return made_on_demand(settings.lean, torch.device(settings.accelerator), layout.shard_group == 1,
+                          settings.offload_optimizer != "nvme", super_offload=False)
+
+
 def backward_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, int]:
-    """Place -> bytes a backward makes and the step drops: lean memory mode's gradient shards, at most all
-    of them (where ZeRO-Offload keeps them: the host; else the device)."""
-    if not settings.lean:
+    """Place -> bytes a backward makes and the step drops: the gradient shards made on demand (lean memory
+    mode, a CPU device at several ranks), at most all of them (where ZeRO-Offload keeps them: the host; else
+    the device)."""
+    if not _grads_on_demand(layout, settings):
         return {}
     return {_grads_home(settings): layout.trainable * settings.grad_dtype.itemsize}
 

@@ -50,7 +50,7 @@ from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
 from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
-from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.grad_shards import GradShards, made_on_demand
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 from zero3.runtime.optimizer import ZeroOptimizer, steps_on_its_gradients
 from zero3.step_protocol import Owed, StepProtocol
@@ -211,9 +211,12 @@ def build(
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
     grads = None
     if spec is not None:
-        # Lean memory mode makes each shard at its first gradient and drops it at the step (its Note there).
+        # Lean memory mode, and a CPU device reducing across ranks, make each chunk of shards at its first
+        # gradient and drop it at the step (the Notes there).
+        on_demand = made_on_demand(bool(lean), device, comm.alone, zc.offload_optimizer.device != OffloadDevice.nvme,
+                                   zc.offload_optimizer.super_offload)
         grads = GradShards(trainable, config.grad_accum_dtype, grad_device(config, device) or device,
-                           on_demand=bool(lean),
+                           on_demand=on_demand,
                            group_of={sp: unit for unit in all_units for sp in unit.params})
     reducer = GradientReducer(
         grad_reduce(gather.mesh, comm), trainable, config.communication_dtype, device,

@@ -185,8 +185,9 @@ class GradientReducer:
             for bucket in self.buckets
         ]
         self.fresh_buffers = 0  # buckets that found no free slot (see the Note), over the engine's life
-        # On the CPU: the heap the backward frees goes back to the OS as gradients land (zero3.runtime.host_heap).
-        self.heap_return = FreedHeapReturn(device)
+        # On the CPU: the heap the backward frees goes back to the OS as gradients land in a flat lp_grads
+        # (zero3.runtime.host_heap); shards made on demand reuse it instead.
+        self.heap_return = FreedHeapReturn(device, needed=grads is None or not grads.on_demand)
         # Told of each landed shard's parameters, and of a late round (the overlapped host step:
         # zero3.runtime.early_step).
         self.on_landed: Callable[[list[ShardedParam]], None] | None = None

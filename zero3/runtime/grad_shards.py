@@ -1,8 +1,8 @@
 """This rank's reduced gradient shards: the `lp_grads` state.
 
 One flat buffer (in `grad_accum_dtype`; host memory with ZeRO-Offload, else
-the device; in lean memory mode chunks made as gradients land instead, see
-the last Note) with a slot per trained parameter, laid out in the optimizer's
+the device; in lean memory mode and on a CPU device at several ranks, chunks
+made as gradients land instead, see the last two Notes) with a slot per trained parameter, laid out in the optimizer's
 order, and which parameters got a gradient since the last step. The reducer
 adds landed shards into it, the optimizer steps from it and zeroes it; the
 engine builds it and hands it to both, so neither reaches into the other.
@@ -37,6 +37,22 @@ or put together in a scratch window. A chunk starts at the address its flat
 stretch would have modulo ALIGN_BYTES, and a window, at a multiple of
 NORM_CHUNK, starts aligned, so a kernel that vectorizes by alignment adds
 the same elements in the same order.
+
+[Note: on demand on the CPU, at several ranks]
+Where the device is the CPU the activations are glibc heap blocks, freed as
+the backward goes. A flat lp_grads is a mapping of its own: its pages come
+back as gradients land, on top of the freed activations' pages, which glibc
+keeps resident unless they are handed back (zero3.runtime.host_heap; each
+page handed back faults again in the next forward). Chunks made on demand
+are heap blocks too (a gather unit's shards; glibc's mmap threshold grows to
+such sizes once one is freed), so they take the freed activations' places,
+as FSDP2's gradients do, and nothing is handed back. So a CPU device that
+reduces across ranks makes its shards on demand. At 2 ranks, 6 x 512 GPT,
+fp32 (Intel Xeon, alternated with FSDP2): the flat buffer with its
+hand-backs took 1.05x FSDP2's step at 0.87x its peak RSS, on demand 0.89x at
+0.92x (docs/benchmarks.md, step_time_cpu_6x512_fp32). A world of one keeps the flat buffer: it adds each gradient
+straight into it, and making the chunks and their views every step cost the
+host-bound 16 x 64 stand-in 16% (37.1 against 31.9 ms).
 """
 
 from __future__ import annotations
@@ -58,6 +74,17 @@ _OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyD
 DROP_PAGES_FROM_BYTES = 64 << 20  # a host buffer at least this large is zeroed by dropping its pages
 NORM_CHUNK = 1 << 20  # elements per piece of the squared norm (a 16-bit piece is cast to fp32 whole)
 ALIGN_BYTES = 64  # a chunk keeps its flat stretch's address modulo this (see the Note)
+
+
+def made_on_demand(lean: bool, device: torch.device, alone: bool, states_in_memory: bool,
+                   super_offload: bool) -> bool:
+    """Whether the gradient shards are made a chunk at a time as they land (the last Note) instead of held in
+    one flat buffer: in lean memory mode, and on a CPU device where gradients are reduced across ranks
+    (the Note on the CPU's heap). Not where the optimizer state is on disk (a failed step is retried on the
+    kept gradients) or the host step overlaps the backward (it reads landed shards as a flat buffer)."""
+    if not states_in_memory or super_offload:
+        return False
+    return lean or (device.type == "cpu" and not alone)
 
 
 @dataclass

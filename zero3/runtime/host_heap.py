@@ -20,7 +20,11 @@ The price: a page handed back costs a page fault when the next forward uses
 it again, most of it from the hand-back at the start of the backward (the
 peak-memory and step-time effect is measured by `benchmarks/step_time.py
 --memory`; docs/benchmarks.md has the figures). On CUDA the activations are in
-device memory and nothing is done.
+device memory and nothing is done. Nor where the gradient shards are made on
+demand (at several CPU ranks: zero3.runtime.grad_shards' Note "on demand on
+the CPU"): those are heap blocks that reuse the freed pages, so a hand-back
+would only make the next forward fault them in again. What is left is a world
+of one, whose flat lp_grads the gradients are added straight into.
 """
 
 from __future__ import annotations
@@ -38,10 +42,10 @@ class FreedHeapReturn:
     """Calls `accelerator.release_host_memory` at the start of a backward and after every `every_bytes`
     of gradient shards landed in host memory, where the device is the CPU (otherwise does nothing)."""
 
-    def __init__(self, device: torch.device, every_bytes: int = HAND_BACK_EVERY_BYTES) -> None:
+    def __init__(self, device: torch.device, every_bytes: int = HAND_BACK_EVERY_BYTES, needed: bool = True) -> None:
         if every_bytes <= 0:
             raise ValueError(f"every_bytes must be positive, got {every_bytes}")
-        self.enabled = device.type == "cpu"
+        self.enabled = device.type == "cpu" and needed
         self.every_bytes = every_bytes
         self._landed = 0
         self.calls = 0  # hand-backs over the engine's life, and the seconds they took (the benchmark reads them)
