@@ -12,7 +12,9 @@ object arenas, thread stacks; about 60 MiB here, trimmed or not).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,12 +96,12 @@ def test_droppable_zeros_are_zeroed_by_dropping_their_pages() -> None:
     assert zeros.tensor[4:10].tolist() == [0.0, 2.0, 2.0, 2.0, 2.0, 0.0]
 
 
-def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
+def accumulated_steps(rank: int, world: int, measure: Callable[[Any], Any]) -> tuple[Any, dict]:
+    """An engine of a small tied transformer (shards of 6 MiB, 3 at 2 ranks), 2 micro-steps a step, 4
+    micro-steps run: `measure(engine)` once built, after each backward and after each step. Returns the engine
+    (to be destroyed) and what was measured."""
     import zero3
     from tests import models
-    from zero3.runtime import grad_shards
-
-    grad_shards.DROP_PAGES_FROM_BYTES = drop_from_bytes  # this model's shards are 6 MiB (3 at 2 ranks)
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -107,14 +109,21 @@ def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
     torch.manual_seed(0)
     model = models.TiedTransformer(vocab=64, dim=256, heads=4, layers=2)
     engine = zero3.initialize(model=model, config=config)[0]
-    lp_grads = engine.optimizer.grads.buffer.tensor
-    seen = {"built": resident_fraction(lp_grads)}
+    seen = {"built": measure(engine)}
     for micro, (x, y) in enumerate(models.batches("tokens", 4, 4 * world)):
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         engine.backward(engine(x, y))
-        seen[f"backward {micro}"] = resident_fraction(lp_grads)
+        seen[f"backward {micro}"] = measure(engine)
         engine.step()
-        seen[f"step {micro}"] = resident_fraction(lp_grads)
+        seen[f"step {micro}"] = measure(engine)
+    return engine, seen
+
+
+def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
+    from zero3.runtime import grad_shards
+
+    grad_shards.DROP_PAGES_FROM_BYTES = drop_from_bytes
+    engine, seen = accumulated_steps(rank, world, lambda engine: resident_fraction(engine.optimizer.grads.buffer.tensor))
     engine.destroy()
     return seen
 
@@ -210,26 +219,12 @@ def test_the_backward_hands_the_heap_it_frees_back_as_gradients_land(world: int)
 
 
 def gradient_bytes_held(rank: int, world: int) -> dict:
-    """lp_grads' bytes after each backward and each step, and whether the engine hands freed heap back."""
-    import zero3
-    from tests import models
-
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    torch.manual_seed(0)
-    model = models.TiedTransformer(vocab=64, dim=256, heads=4, layers=2)
-    engine = zero3.initialize(model=model, config=config)[0]
+    """lp_grads' bytes once built, after each backward and each step, and whether the engine hands freed heap
+    back."""
+    engine, seen = accumulated_steps(rank, world, lambda engine: engine.optimizer.grads.nbytes)
     grads = engine.optimizer.grads
-    seen: dict = {"built": grads.nbytes, "flat": grads.buffer is not None,
-                  "hand_back": engine.reducer.heap_return.enabled, "model_state": engine.model_state_bytes()["lp_grads"]}
-    for micro, (x, y) in enumerate(models.batches("tokens", 4, 4 * world)):
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        engine.backward(engine(x, y))
-        seen[f"backward {micro}"] = grads.nbytes
-        engine.step()
-        seen[f"step {micro}"] = grads.nbytes
-    seen["whole"] = grads.numel * grads.dtype.itemsize
+    seen.update(flat=grads.buffer is not None, hand_back=engine.reducer.heap_return.enabled,
+                whole=grads.numel * grads.dtype.itemsize, model_state=engine.model_state_bytes()["lp_grads"])
     engine.destroy()
     return seen
 
