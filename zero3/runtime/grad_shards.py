@@ -49,8 +49,9 @@ such sizes once one is freed), so they take the freed activations' places,
 as FSDP2's gradients do, and nothing is handed back. So a CPU device that
 reduces across ranks makes its shards on demand. At 2 ranks, 6 x 512 GPT,
 fp32 (Intel Xeon, alternated with FSDP2): the flat buffer with its
-hand-backs took 1.05x FSDP2's step at 0.87x its peak RSS, on demand 0.89x at
-0.92x (docs/benchmarks.md, step_time_cpu_6x512_fp32). A world of one keeps the flat buffer: it adds each gradient
+hand-backs took 1.05x FSDP2's step at 0.87x its peak RSS; on demand, three
+runs gave 0.80x, 0.89x and 1.04x at 0.92-0.94x (docs/benchmarks.md,
+step_time_cpu_6x512_fp32). In bf16 the two are alike (one hand-back a step). A world of one keeps the flat buffer: it adds each gradient
 straight into it, and making the chunks and their views every step cost the
 host-bound 16 x 64 stand-in 16% (37.1 against 31.9 ms).
 """
