@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -353,3 +355,18 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
         return full.cpu()
     with zero3.GatheredParameters([param]):
         return param.detach().float().cpu().clone()
+
+
+@contextlib.contextmanager
+def flat_gradients(flat: bool = True) -> Iterator[None]:
+    """Engines built inside keep the default layout's gradient shards in one flat buffer, even at several CPU
+    ranks (where the engine makes them on demand); lean mode's stay on demand."""
+    from zero3.runtime import build as engine_build
+
+    chosen = engine_build.made_on_demand
+    if flat:
+        engine_build.made_on_demand = lambda lean, *_, **__: lean  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        engine_build.made_on_demand = chosen

@@ -149,21 +149,18 @@ def test_small_gradient_shards_are_zeroed_in_place() -> None:
 
 
 # ---- the heap a backward frees goes back to the OS as the gradient shards fill ------------------------------
-def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool | None, flat: bool = True) -> dict:
+def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> dict:
     """Across a forward and the backward up to block 0's gradients (every later block's activations freed,
     their gradients landed): how much this rank's resident anonymous memory grew beyond what glibc's
-    allocator has handed out (MiB), and the hand-backs the backward made. `hand_back` None: the engine's
-    own choice; `flat`: lp_grads in one flat buffer even where the engine would make its shards on demand."""
+    allocator has handed out (MiB), and the hand-backs the backward made. lp_grads is one flat buffer here,
+    even at 2 ranks (where the engine would make its shards on demand)."""
     import ctypes
     import ctypes.util
 
     import zero3
     from zero3 import accelerator
+    from tests import models
     from zero3.models.gpt import GPT, GPTConfig
-    from zero3.runtime import build
-
-    if flat:
-        build.made_on_demand = lambda lean, *_: lean  # type: ignore[assignment]
 
     # Deterministic glibc: every block under 32 MiB (each activation here) from the heap, and free() never
     # trims the heap's top, so a freed activation's pages stay resident unless something hands them back.
@@ -174,9 +171,9 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool | None
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 200_000}}
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=8, n_embd=256))
-    engine = zero3.initialize(model=model, config=config)[0]
-    if hand_back is not None:
-        engine.reducer.heap_return.enabled = hand_back
+    with models.flat_gradients():
+        engine = zero3.initialize(model=model, config=config)[0]
+    engine.reducer.heap_return.enabled = hand_back
     engine.reducer.heap_return.every_bytes = 1 << 20  # this model's shards are 6 MiB: several hand-backs
     tokens = torch.randint(0, 65, (32, 65), generator=torch.Generator().manual_seed(rank))
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -195,7 +192,7 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool | None
     engine.backward(engine(x, y)["loss"])
     handle.remove()
     seen = {"grown": grown[0], "hand_backs": engine.reducer.heap_return.calls - calls,
-            "buckets": len(engine.reducer.buckets), "flat": engine.optimizer.grads.buffer is not None}
+            "buckets": len(engine.reducer.buckets)}
     engine.destroy()
     return seen
 

@@ -5,14 +5,12 @@ training is bit-identical with every optimizer class the suite covers (losses an
 ZeRO-Offload's host masters, `offload_states`/`reload_states`, and checkpoints (saved in one mode, loaded in
 the other); the model state report loses exactly the trained parameters' 16-bit bytes, frozen parameters
 keep theirs, and a forward is refused while the masters are parked. The default layout here keeps its
-gradient shards in one flat buffer (`flat_gradients`), as it does on a device; at several CPU ranks the engine
+gradient shards in one flat buffer (`tests.models.flat_gradients`), as it does on a device; at several CPU ranks the engine
 makes them on demand as lean mode does (zero3.runtime.grad_shards), checked against the flat buffer too."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,25 +60,10 @@ def config(optimizer: dict[str, Any], lean: bool, **zero: Any) -> dict[str, Any]
     }
 
 
-@contextlib.contextmanager
-def flat_gradients(flat: bool = True) -> Iterator[None]:
-    """Engines built inside keep the default layout's gradient shards in one flat buffer, even at several CPU
-    ranks (where the engine makes them on demand); lean mode's stay on demand."""
-    from zero3.runtime import build as engine_build
-
-    chosen = engine_build.made_on_demand
-    if flat:
-        engine_build.made_on_demand = lambda lean, *_, **__: lean  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        engine_build.made_on_demand = chosen
-
-
 def build(optimizer: dict[str, Any], lean: bool, **zero: Any) -> tuple[Any, nn.Module]:
     torch.manual_seed(0)
     model = FrozenEmbeddingLM()
-    with flat_gradients():
+    with models.flat_gradients():
         return zero3.initialize(model=model, config=config(optimizer, lean, **zero))[0], model
 
 
@@ -182,7 +165,7 @@ def gradients_from_backward_to_step(rank: int, world: int, root: str, accum: str
         cfg["gradient_clipping"] = 1e-3  # every step clipped: its masters follow the norm's every bit
         cfg["data_types"] = {"grad_accum_dtype": accum}  # fp32: the step runs on the shards themselves
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        with flat_gradients(flat):
+        with models.flat_gradients(flat):
             engine = zero3.initialize(model=model, config=cfg)[0]
         seen: dict[str, Any] = {"grads": [], "held": [], "masters": []}
         for step, (uses, batches) in enumerate(zip(MICRO_STEPS, data)):

@@ -2,10 +2,11 @@
 
 One flat buffer (in `grad_accum_dtype`; host memory with ZeRO-Offload, else
 the device; in lean memory mode and on a CPU device at several ranks, chunks
-made as gradients land instead, see the last two Notes) with a slot per trained parameter, laid out in the optimizer's
-order, and which parameters got a gradient since the last step. The reducer
-adds landed shards into it, the optimizer steps from it and zeroes it; the
-engine builds it and hands it to both, so neither reaches into the other.
+made as gradients land instead, see the last two Notes) with a slot per
+trained parameter, laid out in the optimizer's order, and which parameters
+got a gradient since the last step. The reducer adds landed shards into it,
+the optimizer steps from it and zeroes it; the engine builds it and hands it
+to both, so neither reaches into the other.
 
 In host memory a large buffer is zeroed by dropping its pages (`DroppableZeros`),
 not by writing zeros: from a step to the next backward's gradients it holds
@@ -51,8 +52,9 @@ reduces across ranks makes its shards on demand. At 2 ranks, 6 x 512 GPT,
 fp32 (Intel Xeon, alternated with FSDP2): the flat buffer with its
 hand-backs took 1.05x FSDP2's step at 0.87x its peak RSS; on demand, three
 runs gave 0.80x, 0.89x and 1.04x at 0.92-0.94x (docs/benchmarks.md,
-step_time_cpu_6x512_fp32). In bf16 the two are alike (one hand-back a step). A world of one keeps the flat buffer: it adds each gradient
-straight into it, and making the chunks and their views every step cost the
+step_time_cpu_6x512_fp32). In bf16 the two are alike (one hand-back a
+step). A world of one keeps the flat buffer: it adds each gradient straight
+into it, and making the chunks and their views every step cost the
 host-bound 16 x 64 stand-in 16% (37.1 against 31.9 ms).
 """
 
