@@ -13,7 +13,26 @@ from zero3.checkpoint.tags import CheckpointError
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner; a `RangeChunks` entry answers with its boxes."""
+    """DCP's default planner; a `RangeChunks` entry answers with its boxes.
+
+    With a `cache_key`, DCP's plan caching: a rank whose plan is the one it sent last time under that key
+    sends an empty one, and the coordinator reuses the global plan and metadata it made then. A zero3 save
+    repeats its plan exactly (the same entries, boxes and item sizes), so a save's plan exchange carries no
+    items after the first. The key must name the ranks a save runs on (the group, its size): DCP keeps the
+    cache per process, and a rank that sent an empty plan to a coordinator with no cache would leave its
+    items out of the metadata."""
+
+    def __init__(self, cache_key: str | None = None) -> None:
+        super().__init__(enable_plan_caching=cache_key is not None)
+        if cache_key is not None:
+            self._cached_plans_key = cache_key
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(*args, **kwargs)
+        # A save hands DCP its entries grouped by kind (zero3.checkpoint.state's `grouped`); the names it
+        # records are the flat ones (`model.<name>`), so that torch's tools (`dcp_to_torch_save`) read the
+        # checkpoint as one flat dict, as before the grouping.
+        self.mappings = {fqn: (fqn,) for fqn in self.mappings}
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         entry = self.state_dict.get(index.fqn)

@@ -8,6 +8,10 @@ size holds, so a save every few steps neither allocates nor faults its pages in 
 an occasional save's is freed once written (zero3.checkpoint.async_saves). Beside a CUDA device its
 pages are registered with the driver (page-locked), so the device-to-host copies are
 DMA; elsewhere page-locking means nothing and is skipped.
+
+Each box of a parameter's range (zero3.checkpoint.chunks) has a place of its own, and a large one (64 KiB
+or more) starts on a page, so that the writer sends it to the file straight from the segment (`O_DIRECT`
+wants page-aligned memory: zero3.checkpoint.data_files' [Note: one pass per data file]).
 """
 
 from __future__ import annotations
@@ -28,17 +32,21 @@ from zero3.shared_segments import create, release
 log = logging.getLogger("zero3")
 
 _ALIGN = 64  # bytes: every entry starts on a cache line (and at any dtype's alignment)
+PAGE = 4096  # bytes: where a large box starts, for O_DIRECT
+LARGE = 64 << 10  # bytes: a box this large is written to its file straight from the segment
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One entry of the state in the segment: `numel` values of `dtype` at byte `offset`."""
+    """One entry of the state in the segment: `numel` values of `dtype`, a whole tensor at byte `offset`, or
+    a RangeChunks' boxes, each at its byte offset in `box_offsets`."""
 
     key: str
-    offset: int
+    offset: int  # a tensor's; a RangeChunks' first box's
     dtype: torch.dtype
     shape: tuple[int, ...]  # a whole tensor's shape; a RangeChunks' range is flat
     chunks: tuple[tuple[int, ...], int, int] | None  # a RangeChunks' (global shape, start, end); None: a tensor
+    box_offsets: tuple[int, ...] = ()  # a RangeChunks' boxes, in order
 
     @property
     def numel(self) -> int:
@@ -49,20 +57,33 @@ class Placement:
         return self.numel * self.dtype.itemsize
 
 
+def _aligned(cursor: int, nbytes: int) -> int:
+    step = PAGE if nbytes >= LARGE else _ALIGN
+    return -(-cursor // step) * step
+
+
 def place(live: dict[str, Any]) -> tuple[list[Placement], int]:
     """Where each entry of `live` goes in a segment, and the segment's size in bytes."""
     placements: list[Placement] = []
     cursor = 0
     for key, entry in live.items():
         if isinstance(entry, RangeChunks):
-            placement = Placement(key, cursor, entry.dtype, (entry.end - entry.start,), (entry.shape, entry.start, entry.end))
+            offsets = []
+            for _, sizes in entry.boxes:
+                nbytes = math.prod(sizes) * entry.dtype.itemsize
+                cursor = _aligned(cursor, nbytes)
+                offsets.append(cursor)
+                cursor += nbytes
+            placement = Placement(key, offsets[0] if offsets else _aligned(cursor, 0), entry.dtype,
+                                  (entry.end - entry.start,), (entry.shape, entry.start, entry.end), tuple(offsets))
         elif isinstance(entry, torch.Tensor):
+            cursor = _aligned(cursor, entry.nbytes)
             placement = Placement(key, cursor, entry.dtype, tuple(entry.shape), None)
+            cursor += entry.nbytes
         else:
             raise TypeError(f"checkpoint entry {key!r} is a {type(entry).__name__}: expected a tensor or RangeChunks")
         placements.append(placement)
-        cursor += -(-placement.nbytes // _ALIGN) * _ALIGN
-    return placements, max(cursor, _ALIGN)
+    return placements, max(_aligned(cursor, 0), _ALIGN)
 
 
 def views(segment: memoryview, placements: list[Placement]) -> dict[str, Any]:
@@ -74,7 +95,8 @@ def views(segment: memoryview, placements: list[Placement]) -> dict[str, Any]:
             state[placed.key] = _own(segment, placed.offset, placed.dtype, placed.numel).view(placed.shape)
         else:
             shape, start, end = placed.chunks
-            state[placed.key] = _StagedChunks(shape, placed.dtype, start, end, segment=segment, offset=placed.offset)
+            state[placed.key] = _StagedChunks(shape, placed.dtype, start, end, segment=segment,
+                                              box_offsets=placed.box_offsets)
     return state
 
 
@@ -87,18 +109,17 @@ class _StagedChunks(RangeChunks):
     """A parameter's staged range, each of its boxes a tensor with a storage of its own (see `views`)."""
 
     segment: memoryview | None = None
-    offset: int = 0  # bytes: where the range starts in the segment
+    box_offsets: tuple[int, ...] = ()  # bytes: where each box starts in the segment
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        assert self.segment is not None
-        self.values = _own(self.segment, self.offset, self.dtype, self.end - self.start)
+        self._box_offset = {tuple(offsets): at for (offsets, _), at in zip(self.boxes, self.box_offsets)}
 
     def box(self, offsets: torch.Size | None) -> tuple[int, torch.Tensor]:
-        cursor, sizes = self._at[tuple(offsets or ())]
+        key = tuple(offsets or ())
+        cursor, sizes = self._at[key]
         assert self.segment is not None
-        values = _own(self.segment, self.offset + cursor * self.dtype.itemsize, self.dtype, math.prod(sizes))
-        return cursor, values.view(sizes)
+        return cursor, _own(self.segment, self._box_offset[key], self.dtype, math.prod(sizes)).view(sizes)
 
 
 class StagingArena:
@@ -133,7 +154,14 @@ class StagingArena:
             entry = live[placed.key]
             if isinstance(entry, RangeChunks):
                 numel = entry.end - entry.start
-                entry = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
+                values = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
+                cursor = 0
+                for at, (_, sizes) in zip(placed.box_offsets, entry.boxes):
+                    count = math.prod(sizes)
+                    target = arena[at : at + count * placed.dtype.itemsize].view(placed.dtype)
+                    target.copy_(values.detach()[cursor : cursor + count], non_blocking=self._registered)
+                    cursor += count
+                continue
             target = arena[placed.offset : placed.offset + placed.nbytes].view(placed.dtype).view(placed.shape)
             target.copy_(entry.detach(), non_blocking=self._registered)
         accelerator.synchronize(self.device)

@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -124,6 +124,24 @@ class Checksum:
     name: str
     of: Callable[[memoryview | bytes], int]  # a buffer's sum
     of_file: Callable[[Path], int]  # a file's, read in chunks
+    start: Callable[[], RunningSum]  # a sum taken piece by piece (`update`, then `intdigest`)
+
+
+class RunningSum(Protocol):
+    def update(self, data: memoryview | bytes) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+class _RunningCrc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
 
 
 def _crc32_file(path: Path) -> int:
@@ -146,8 +164,8 @@ def _chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-CRC32 = Checksum("crc32", zlib.crc32, _crc32_file)
-XXH3_64 = Checksum("xxh3_64", xxhash.xxh3_64_intdigest, _xxh3_file)
+CRC32 = Checksum("crc32", zlib.crc32, _crc32_file, _RunningCrc32)
+XXH3_64 = Checksum("xxh3_64", xxhash.xxh3_64_intdigest, _xxh3_file, xxhash.xxh3_64)
 SAVED_WITH = XXH3_64  # what a save sums with
 _KNOWN = {c.name: c for c in (CRC32, XXH3_64)}
 
