@@ -200,7 +200,9 @@ def test_torch_s_reader_reads_the_file_and_each_item_s_sum_is_its_bytes_in_the_f
     monkeypatch.setattr(torch_serialization_config.save, "compute_crc32", crc == "on")
     saved = state()
     writer = DataFileWriter(tmp_path, XXH3_64)
-    dcp.save(saved, storage_writer=writer, planner=SavePlanner())  # no process group: one rank
+    planner = SavePlanner()
+    dcp.save(saved, storage_writer=writer, planner=planner)  # no process group: one rank
+    assert planner.is_coordinator  # DCP set the planner up the current way (it reads the signature)
     assert list(writer.sums) == ["__0_0.distcp"]
     size, sums = writer.sums["__0_0.distcp"]
     file = tmp_path / "__0_0.distcp"

@@ -48,12 +48,11 @@ class AsyncSaves:
         from zero3.checkpoint.state import CommGroup
 
         assert self._pending is None or self._pending.done(), "wait() for the last save first"
-        placements, staged = self._arena.stage(live, shared=not self._in_thread)
+        placements = self._arena.stage(live, shared=not self._in_thread)
         writer = self._writer_for_this_save()
         if writer is None:
             group = CommGroup(self._comm, self._comm.checkpoint_group())
-            return self._thread().submit(write.run, group, staged)
-        del staged  # the writer maps the segment itself
+            return self._thread().submit(write.run, group, self._arena.views(placements))
         request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic)
         return self._thread().submit(writer.write, request)
 

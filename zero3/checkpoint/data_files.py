@@ -34,6 +34,7 @@ process, whose `torch.save` config is the user's), each item goes through
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import functools
@@ -189,9 +190,12 @@ _SMALL = 64 << 10  # bytes: a save's calls up to this size are kept whole while 
 def saved_form(dtype: torch.dtype, shape: tuple[int, ...]) -> SavedForm | None:
     """The form of a (dtype, shape) tensor's `torch.save` bytes in this process, or None where its bytes
     outside the data record depend on the data (torch's CRC-32 is on, or its format varies otherwise)."""
-    if torch_serialization_config.save.compute_crc32:
-        return None
-    return _form_without_crc(dtype, shape)
+    return None if crc_is_on() else _form_without_crc(dtype, shape)
+
+
+def crc_is_on() -> bool:
+    """Whether this process's `torch.save` writes zip CRC-32s (torch's default)."""
+    return bool(torch_serialization_config.save.compute_crc32)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -255,10 +259,12 @@ class _Summed:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous tensor's bytes, without a copy."""
+    """A contiguous CPU tensor's bytes, without a copy; the caller keeps the tensor alive while it reads them
+    (a view through ctypes, several times cheaper than one through NumPy, per item of every save)."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -290,9 +296,11 @@ class DataFileWriter(FileSystemWriter):
             # DCP's order: pickled objects first, then tensors, each as its plan lists them.
             ordered = [i for i in plan.items if i.type == WriteItemType.BYTE_IO] + \
                       [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            with_forms = not crc_is_on()
             for item in ordered:
                 data = planner.resolve_data(item)
-                form = saved_form(data.dtype, tuple(data.shape)) if isinstance(data, torch.Tensor) else None
+                form = _form_without_crc(data.dtype, tuple(data.shape)) \
+                    if with_forms and isinstance(data, torch.Tensor) else None
                 if form is not None and file.direct and data.nbytes >= LARGE:
                     # A gap before the item, so that its data starts on a page of the file (`write_large`).
                     file.write(bytes(-(file.tell() + len(form.prefix)) % PAGE))

@@ -143,9 +143,9 @@ class StagingArena:
         assert self.segment is not None
         return self.segment.name
 
-    def stage(self, live: dict[str, Any], shared: bool = True) -> tuple[list[Placement], dict[str, Any]]:
+    def stage(self, live: dict[str, Any], shared: bool = True) -> list[Placement]:
         """Copy every entry of `live` into the staging memory (shared if `shared` and there is room); returns
-        where each went, and the state as tensors over it (for a writer in this process). The copies have
+        where each went (`views` makes the state of them, for a writer in this process). The copies have
         landed when this returns, so training may change the originals."""
         placements, size = place(live)
         memory = self._memory(size, shared)
@@ -165,7 +165,13 @@ class StagingArena:
             target = arena[placed.offset : placed.offset + placed.nbytes].view(placed.dtype).view(placed.shape)
             target.copy_(entry.detach(), non_blocking=self._registered)
         accelerator.synchronize(self.device)
-        return placements, views(memory, placements)
+        return placements
+
+    def views(self, placements: list[Placement]) -> dict[str, Any]:
+        """The staged state as tensors over the staging memory (`views`), for a writer in this process."""
+        held = self._held()
+        assert held is not None, "nothing is staged"
+        return views(held, placements)
 
     def _held(self) -> memoryview | None:
         """The staging memory held now (shared or private), if any."""
