@@ -15,10 +15,15 @@ writer takes is taken from the step (issue 39's every-step overhead).
 
 So `DataFileWriter` writes the file itself, front to back, through one
 aligned buffer (`DirectFile`), with `O_DIRECT` where the filesystem takes it
-and buffered writes where it does not (tmpfs, some network filesystems: the
-first write says so). Each item's bytes are what `torch.save` writes for it,
-so torch's own `FileSystemReader` reads the files as before; they are summed
-(XXH3, zero3.checkpoint.tags' [Note: checksums]) from memory as they go out.
+and buffered writes where it does not (tmpfs before Linux 6.6, some network
+filesystems: the open or the first write says so). A large item (64 KiB or
+more) skips the buffer: a gap before it puts its data on a page of the file,
+and the staging segment put it on a page of memory (zero3.checkpoint.staging),
+so its whole pages go to the disk from where they are, without the 114 MiB
+copy (36 ms a save here). Each item's bytes are what `torch.save` writes for
+it, so torch's own `FileSystemReader` reads the files as before (the gaps are
+in no item); they are summed (XXH3, zero3.checkpoint.tags' [Note: checksums])
+from memory as they go out.
 
 Where the process saves without torch's zip CRC-32 (the writer process:
 zero3.checkpoint.writer_process), `torch.save`'s bytes for a tensor depend
@@ -30,6 +35,11 @@ with 0xFF; what differs is the data record, and what does not is kept
 bytes vary otherwise) or the CRC is on (a blocking save in the training
 process, whose `torch.save` config is the user's), each item goes through
 `torch.save` into the same stream, as DCP's writer did.
+
+With this writer, DCP's plan cached (zero3.checkpoint.planners) and the state
+handed to DCP in three groups (zero3.checkpoint.state's `grouped`), a save cost
+the writer 0.11-0.16 CPU-seconds, and checkpointing every step 1.12x the step
+without (1.38x before; `benchmarks/checkpoint.py --overhead`).
 """
 
 from __future__ import annotations
