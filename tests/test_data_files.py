@@ -15,6 +15,8 @@ import fcntl
 import io
 import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,9 +41,22 @@ SPECS = [
 ]
 
 
+@contextmanager
+def crc(on: bool) -> Iterator[None]:
+    """torch.save's zip CRC-32 on or off for the duration, then as it was (set through torch's config object
+    itself: pytest's monkeypatch does not see its attributes, and would delete the setting when it undid)."""
+    was = torch_serialization_config.save.compute_crc32
+    torch_serialization_config.save.compute_crc32 = on
+    try:
+        yield
+    finally:
+        torch_serialization_config.save.compute_crc32 = was
+
+
 @pytest.fixture
-def without_crc(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_serialization_config.save, "compute_crc32", False)
+def without_crc() -> Iterator[None]:
+    with crc(False):
+        yield
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -193,15 +208,13 @@ def state() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("crc", ["on", "off"])
-def test_torch_s_reader_reads_the_file_and_each_item_s_sum_is_its_bytes_in_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc: str,
-) -> None:
-    monkeypatch.setattr(torch_serialization_config.save, "compute_crc32", crc == "on")
+@pytest.mark.parametrize("crc_is", ["on", "off"])
+def test_torch_s_reader_reads_the_file_and_each_item_s_sum_is_its_bytes_in_the_file(tmp_path: Path, crc_is: str) -> None:
     saved = state()
     writer = DataFileWriter(tmp_path, XXH3_64)
     planner = SavePlanner()
-    dcp.save(saved, storage_writer=writer, planner=planner)  # no process group: one rank
+    with crc(crc_is == "on"):
+        dcp.save(saved, storage_writer=writer, planner=planner)  # no process group: one rank
     assert planner.is_coordinator  # DCP set the planner up the current way (it reads the signature)
     assert list(writer.sums) == ["__0_0.distcp"]
     size, sums = writer.sums["__0_0.distcp"]
@@ -219,10 +232,13 @@ def test_torch_s_reader_reads_the_file_and_each_item_s_sum_is_its_bytes_in_the_f
     for key, tensor in saved.items():
         item = raw[where[key].offset : where[key].offset + where[key].length]
         assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), tensor)
-        if crc == "off":  # the form's bytes are torch.save's, to the byte
-            assert item == torch_saved(tensor.contiguous().clone())
-    if crc == "off" and o_direct_works(tmp_path):  # a large item's data starts on a page of the file
-        assert (where["big"].offset + len(saved_form(torch.float32, (300, 100)).prefix)) % PAGE == 0
+        if crc_is == "off":  # the form's bytes are torch.save's, to the byte
+            with crc(False):
+                assert item == torch_saved(tensor.contiguous().clone())
+    if crc_is == "off" and o_direct_works(tmp_path):  # a large item's data starts on a page of the file
+        with crc(False):
+            form = saved_form(torch.float32, (300, 100))
+        assert form is not None and (where["big"].offset + len(form.prefix)) % PAGE == 0
     assert where["view"].length < len(torch_saved(torch.arange(40, dtype=torch.float32)))
 
 
