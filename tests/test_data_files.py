@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config as torch_serialization_config
 

@@ -49,7 +49,6 @@ import errno
 import fcntl
 import functools
 import io
-import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -62,13 +61,11 @@ import torch.utils.serialization.config as torch_serialization_config
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from zero3.checkpoint.staging import LARGE, PAGE  # O_DIRECT's alignment (a page covers 512-byte sectors)
 from zero3.checkpoint.tags import Checksum, FileSums, ItemSums
-
-log = logging.getLogger("zero3")
 
 _BUFFER = 8 << 20  # bytes written per call
 
