@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,8 +123,15 @@ class Checksum:
 
     name: str
     of: Callable[[memoryview | bytes], int]  # a buffer's sum
-    of_file: Callable[[Path], int]  # a file's, read in chunks
     start: Callable[[], RunningSum]  # a sum taken piece by piece (`update`, then `intdigest`)
+
+    def of_file(self, path: Path) -> int:
+        """A file's sum, read in chunks."""
+        running = self.start()
+        with open(path, "rb", buffering=0) as source:
+            while chunk := source.read(_CHUNK):
+                running.update(chunk)
+        return running.intdigest()
 
 
 class RunningSum(Protocol):
@@ -144,28 +151,8 @@ class _RunningCrc32:
         return self._value
 
 
-def _crc32_file(path: Path) -> int:
-    value = 0
-    for chunk in _chunks(path):
-        value = zlib.crc32(chunk, value)
-    return value
-
-
-def _xxh3_file(path: Path) -> int:
-    running = xxhash.xxh3_64()
-    for chunk in _chunks(path):
-        running.update(chunk)
-    return running.intdigest()
-
-
-def _chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb", buffering=0) as source:
-        while chunk := source.read(_CHUNK):
-            yield chunk
-
-
-CRC32 = Checksum("crc32", zlib.crc32, _crc32_file, _RunningCrc32)
-XXH3_64 = Checksum("xxh3_64", xxhash.xxh3_64_intdigest, _xxh3_file, xxhash.xxh3_64)
+CRC32 = Checksum("crc32", zlib.crc32, _RunningCrc32)
+XXH3_64 = Checksum("xxh3_64", xxhash.xxh3_64_intdigest, xxhash.xxh3_64)
 SAVED_WITH = XXH3_64  # what a save sums with
 _KNOWN = {c.name: c for c in (CRC32, XXH3_64)}
 
