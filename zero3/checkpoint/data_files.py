@@ -53,7 +53,6 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import xxhash
@@ -65,7 +64,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from zero3.checkpoint.staging import LARGE, PAGE  # O_DIRECT's alignment (a page covers 512-byte sectors)
-from zero3.checkpoint.tags import Checksum, FileSums, ItemSums
+from zero3.checkpoint.tags import Checksum, FileSums, ItemSums, RunningSum
 
 _BUFFER = 8 << 20  # bytes written per call
 
@@ -244,7 +243,7 @@ def _joined(calls: list[bytes | tuple[int, int]]) -> bytes | None:
 class _Summed:
     """A stream that sums what passes through it."""
 
-    def __init__(self, sink: DirectFile, running: Any) -> None:
+    def __init__(self, sink: DirectFile, running: RunningSum) -> None:
         self._sink = sink
         self.running = running
 
@@ -287,16 +286,15 @@ class DataFileWriter(FileSystemWriter):
     with every item summed as it is written (see [Note: one pass per data file]); `sums` holds this rank's
     files' entries for the engine file."""
 
-    def __init__(self, path: Path, checksum: Checksum, direct: bool = True) -> None:
+    def __init__(self, path: Path, checksum: Checksum) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self._root = Path(path)
         self._checksum = checksum
-        self._direct = direct
         self.sums: dict[str, FileSums] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        file = DirectFile(self._root / name, self._direct)
+        file = DirectFile(self._root / name)
         results: list[WriteResult] = []
         items: ItemSums = {}
         try:

@@ -155,11 +155,12 @@ class StagingArena:
             if isinstance(entry, RangeChunks):
                 numel = entry.end - entry.start
                 values = entry.values if entry.values is not None else entry.read(0, numel)  # type: ignore[misc]
+                values = values.detach()
                 cursor = 0
                 for at, (_, sizes) in zip(placed.box_offsets, entry.boxes):
                     count = math.prod(sizes)
                     target = arena[at : at + count * placed.dtype.itemsize].view(placed.dtype)
-                    target.copy_(values.detach()[cursor : cursor + count], non_blocking=self._registered)
+                    target.copy_(values[cursor : cursor + count], non_blocking=self._registered)
                     cursor += count
                 continue
             target = arena[placed.offset : placed.offset + placed.nbytes].view(placed.dtype).view(placed.shape)
