@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from zero3 import accelerator
+from zero3 import error_exit  # noqa: F401 - its exit hook: a rank that failed leaves now (see its Note)
 
 if TYPE_CHECKING:
     from zero3.topology import Topology

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from torch.distributed.constants import default_pg_timeout
 from zero3.checkpoint.staging import StagingArena
 from zero3.checkpoint.writer_process import WriteRequest, WriterProcess, WriterSetup, job_store_address
 from zero3.comm import Communicator
+from zero3.helper_threads import HelperThreads
 
 if TYPE_CHECKING:
     from zero3.checkpoint.state import Write
@@ -37,7 +38,7 @@ class AsyncSaves:
         # next; an occasional save frees it once written (at the next wait), as a host copy of the state is large.
         self._periodic = periodic
         self._arena = StagingArena(device)
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: HelperThreads | None = None
         self._pending: Future[Any] | None = None
         self._writer: WriterProcess | None = None
         self._in_thread = False  # the job agreed that its saves are written in this thread
@@ -87,9 +88,9 @@ class AsyncSaves:
         self._arena.close()
         return error
 
-    def _thread(self) -> ThreadPoolExecutor:
+    def _thread(self) -> HelperThreads:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
+            self._executor = HelperThreads(1, "zero3-checkpoint", finish_at_exit_s=self._timeout_s())
         return self._executor
 
     def _writer_for_this_save(self) -> WriterProcess | None:

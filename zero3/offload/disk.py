@@ -30,14 +30,18 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from zero3.helper_threads import HelperThreads
+
 CHUNK_BYTES = 16 << 20  # large enough to stream, small enough to spread over the threads
 IO_THREADS = 4
+# A script that ends with disk work queued (a parked state's files being removed) gives it this long.
+FINISH_AT_EXIT_S = 30.0
 
 
 class OffloadIOError(RuntimeError):
@@ -235,15 +239,15 @@ class ThreadPoolFileIO:
         # The directory parked states go to (the latest root asked for), and every directory made.
         self.directory: Path | None = None
         self._directories: dict[Path, Path] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: HelperThreads | None = None
         self._removals: list[Future] = []
         # Bytes asked of the disk since the engine was built (benchmarks read them).
         self.bytes_read = 0
         self.bytes_written = 0
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> HelperThreads:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zero3-disk")
+            self._pool = HelperThreads(self.threads, "zero3-disk", finish_at_exit_s=FINISH_AT_EXIT_S)
         return self._pool
 
     def reserve(self, root: Path, files: dict[str, int], purpose: str = "offload") -> dict[str, DiskFile]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm import Communicator
+from zero3.helper_threads import HelperThreads
 from zero3.partition.quantize import BlockQuantizer
 from zero3.topology import ShardMesh
 
@@ -250,7 +251,7 @@ class QuantizedGradReduce(GradReduce):
             raise ValueError(f"qgZ: {across} nodes of {inside} ranks do not make a shard group of {mesh.shard_size}")
         self.inside, self.across = inside, across
         self.quantizer = quantizer or BlockQuantizer(bits=4)
-        self._helper: ThreadPoolExecutor | None = None
+        self._helper: HelperThreads | None = None
         self._lock = threading.Lock()
 
     def start(self, output: torch.Tensor, full: torch.Tensor) -> QuantizedReduction:  # type: ignore[override]
@@ -303,10 +304,10 @@ class QuantizedGradReduce(GradReduce):
             total = partial[0]
         output.copy_(total)
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> HelperThreads:
         with self._lock:
             if self._helper is None:  # one thread: the buckets' steps across go out in order
-                self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-qgz")
+                self._helper = HelperThreads(1, "zero3-qgz")
             return self._helper
 
     def close(self) -> None:

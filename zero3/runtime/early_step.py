@@ -51,12 +51,13 @@ no buckets) steps after the backward as before.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zero3.helper_threads import HelperThreads
 from zero3.partition.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class EarlySteps:
             self._params_of.append(params)
             for sp in params:
                 self._subs_of.setdefault(sp, []).append(index)
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: HelperThreads | None = None
         # Whether a sub-group whose gradients land once the backward's computation is over steps early too
         # (not by default: it would start no earlier than the step). Which sub-groups land during the
         # computation depends on when each reduction finishes; the tests set this to make every one early.
@@ -207,7 +208,7 @@ class EarlySteps:
 
     def _submit(self, index: int) -> None:
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-early-step")
+            self._worker = HelperThreads(1, "zero3-early-step")
         self._jobs.append(self._worker.submit(self._step, index))
         self._submitted += 1
 

@@ -61,12 +61,13 @@ the shard is already in host memory and is added as it lands.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from zero3.helper_threads import HelperThreads
 from zero3.comm import Communicator
 from zero3.offload.host import copy_to_host
 from zero3.partition.collectives import GradReduce
@@ -161,7 +162,7 @@ class GradientReducer:
         self.pre_scale = 1.0 / ranks if prescale else 1.0 / predivide_factor
         self.post_scale = 1.0 if prescale else predivide_factor / ranks
         self._stream_waits = device.type == "cuda"  # waiting does not block the host there
-        self._waiter: ThreadPoolExecutor | None = None  # the CPU's completion watcher (see the Note)
+        self._waiter: HelperThreads | None = None  # the CPU's completion watcher (see the Note)
         self._watched: list[Future[None]] = []
         self.scratch: FlatBuffer | None = None
         self._busy: list[_Reduction | object | None] = [None] * self.slots  # _FILLING: a bucket being filled
@@ -530,7 +531,7 @@ class GradientReducer:
         if work is None or self._stream_waits:
             return None
         if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-reduce-wait")
+            self._waiter = HelperThreads(1, "zero3-reduce-wait")
         finished = self._waiter.submit(work.wait)
         self._watched.append(finished)
         return finished
