@@ -15,6 +15,7 @@ import fcntl
 import io
 import os
 import pickle
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,6 +171,42 @@ def test_large_bytes_go_to_the_file_from_their_own_memory(tmp_path: Path, monkey
     assert sent == [-(-(100 + 299_999) // PAGE) * PAGE, 1 << 20, PAGE], sent
     expected = b"x" * 100 + bytes(unaligned.numpy()) + bytes(-(100 + 299_999) % PAGE) + bytes(aligned.numpy())
     assert (tmp_path / "data").read_bytes() == expected
+
+
+@pytest.fixture
+def one_mib_disk(tmp_path: Path) -> Iterator[Path]:
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (this process is not)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
+@pytest.mark.parametrize("fills", ["the buffer's close", "large bytes"])
+def test_a_full_disk_is_reported_as_one(one_mib_disk: Path, fills: str) -> None:
+    """No space left is what the write says: the buffer a failed write still referred to did not turn it
+    into a BufferError when the file let go of its memory."""
+    file = DirectFile(one_mib_disk / "data")
+    with pytest.raises(OSError) as raised:
+        try:
+            if fills == "large bytes":
+                large = torch.frombuffer(bytearray(3 << 20), dtype=torch.uint8)
+                large = large[-large.data_ptr() % PAGE :][: 2 << 20]
+                file.write_large(data_files._bytes_of(large), large.data_ptr())
+            else:
+                file.write(os.urandom(3 << 20))  # under the buffer's 8 MiB: it all goes out at the close
+            file.close()
+        except BaseException:
+            file.abandon()
+            raise
+    assert raised.value.errno == errno.ENOSPC, raised.value
 
 
 def test_staged_boxes_have_places_of_their_own_and_large_ones_start_on_a_page() -> None:

@@ -149,7 +149,10 @@ class DirectFile:
             os.close(self._fd)
             self._fd = -1
         self._view.release()
-        self._buffer.close()
+        try:
+            self._buffer.close()
+        except BufferError:  # a slice still held (by a failed write's traceback): unmapped when it goes
+            pass
 
     def _send(self, data: memoryview) -> None:
         written = 0
