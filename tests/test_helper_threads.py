@@ -114,8 +114,9 @@ def test_no_helper_thread_of_the_engine_is_joined_at_exit() -> None:
 
 
 # Two ranks; rank 0 hands its engine's gradient reducer a collective that rank 1 never joins (the default
-# group waits 10 minutes for it), then fails and leaves. Before the helper threads were daemon ones, the
-# interpreter's exit joined the reducer's watcher, stuck in that wait, and rank 0 never exited.
+# group waits 10 minutes for it), then fails and leaves, with or without destroying its engine first. Before
+# the helper threads were daemon ones, the interpreter's exit joined the reducer's watcher, stuck in that
+# wait; the engine's teardown joined it too; and the default group's teardown waited for the collective.
 STUCK_REDUCTION = textwrap.dedent(
     """
     import datetime, json, os, sys, time
@@ -139,13 +140,18 @@ STUCK_REDUCTION = textwrap.dedent(
     never_joined = dist.all_reduce(torch.ones(4), async_op=True)
     watched = engine.reducer._watch(never_joined)
     assert watched is not None and not watched.done()
-    raise RuntimeError("rank 0 gives up on a step its peer never reached")
+    try:
+        raise RuntimeError("rank 0 gives up on a step its peer never reached")
+    finally:
+        if sys.argv[2] == "destroyed":  # a script's `finally: engine.destroy()`
+            engine.destroy()
     """
 )
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_leaves_although_its_reducer_waits_on_a_collective_that_never_ends(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["raised", "destroyed"])
+def test_a_rank_leaves_although_its_reducer_waits_on_a_collective_that_never_ends(tmp_path: Path, ending: str) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_REDUCTION)
     port = free_port()
@@ -154,7 +160,7 @@ def test_a_rank_leaves_although_its_reducer_waits_on_a_collective_that_never_end
         env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
-        ranks.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
+        ranks.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), ending], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         try:

@@ -314,7 +314,9 @@ class QuantizedGradReduce(GradReduce):
         with self._lock:
             helper, self._helper = self._helper, None
         if helper is not None:
-            helper.shutdown(wait=True)
+            # Not joined: every reduction has landed when the engine closes, unless a peer was lost, and then
+            # its collective may never end (see zero3.helper_threads' Note).
+            helper.shutdown(wait=False)
 
 
 def _stream_event(device: torch.device) -> torch.cuda.Event | None:

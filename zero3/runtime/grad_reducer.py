@@ -537,8 +537,10 @@ class GradientReducer:
         return finished
 
     def close(self) -> None:
-        """Stop the helper threads (every reduction has landed by then)."""
+        """Stop the helper threads (every reduction has landed by then, unless a peer was lost)."""
         if self._waiter is not None:
-            self._waiter.shutdown(wait=True, cancel_futures=True)
+            # Not joined: its thread only waits on works, and one whose peer died may never end (a gloo
+            # reduction after a lost node was seen to); the engine's teardown must not wait for it.
+            self._waiter.shutdown(wait=False, cancel_futures=True)
             self._waiter = None
         self.reduce.close()
