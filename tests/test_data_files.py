@@ -15,7 +15,6 @@ import fcntl
 import io
 import os
 import pickle
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.utils.serialization.config as torch_serialization_config
 import zero3
 from tests import models
 from tests.distributed import run_ranks
+from tests.tmpfs import small_tmpfs
 from zero3.checkpoint import data_files
 from zero3.checkpoint.chunks import RangeChunks
 from zero3.checkpoint.data_files import DataFileWriter, DirectFile, saved_form
@@ -175,18 +175,8 @@ def test_large_bytes_go_to_the_file_from_their_own_memory(tmp_path: Path, monkey
 
 @pytest.fixture
 def one_mib_disk(tmp_path: Path) -> Iterator[Path]:
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (this process is not)")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "tmpfs", "1m") as root:
         yield root
-    finally:
-        subprocess.run(["umount", str(root)], check=False)
 
 
 @pytest.mark.parametrize("fills", ["the buffer's close", "large bytes"])

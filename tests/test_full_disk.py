@@ -19,6 +19,7 @@ import torch.distributed as dist
 import zero3
 from tests import models
 from tests.distributed import run_ranks
+from tests.tmpfs import small_tmpfs
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -30,18 +31,8 @@ SIZE = "800k"  # one checkpoint of the model below (about 520 KB) fits, a second
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (this process is not)")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(root)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "tmpfs", SIZE) as root:
         yield root
-    finally:
-        subprocess.run(["umount", str(root)], check=False)
 
 
 def step(engine: zero3.ZeroEngine, rank: int, world: int, seed: int) -> None:
