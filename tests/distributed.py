@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -28,10 +29,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# Ports handed to tests lie below the kernel's ephemeral range (32768 up, Linux's default), which outgoing
+# connections take from, and each pytest-xdist worker has a range of its own: a port found free here is not
+# taken by another test's process before the test binds it.
+_PORTS_PER_WORKER = 4000
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 10000 + (int(worker) if worker.isdigit() else 0) % 5 * _PORTS_PER_WORKER
+    for port in random.sample(range(base, base + _PORTS_PER_WORKER), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER}")
 
 
 # Hugging Face's Trainer and TRL's trainers too: the ranks of the tests that use them spent about 6 s each

@@ -18,7 +18,6 @@ import datetime
 import logging
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -39,12 +38,6 @@ log = logging.getLogger("zero3")
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT: the MASTER_PORT an MPI-discovered world gets.
@@ -180,17 +173,23 @@ def _init_default_group(
     device_id: torch.device | None,
 ) -> None:
     explicit = rank >= 0 and world_size > 0
-    if init_method is None and not explicit and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("LOCAL_RANK", "0")
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout
     if device_id is not None:
         kwargs["device_id"] = device_id
+    if init_method is None and not explicit and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["RANK"] = "0"
+        os.environ["WORLD_SIZE"] = "1"
+        os.environ.setdefault("LOCAL_RANK", "0")
+        if "MASTER_PORT" not in os.environ:
+            # A world of one hosts its own store, on a port the kernel picks as it binds: a port found free and
+            # bound later could be taken in between by another process (two such jobs side by side were).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True, timeout or default_pg_timeout)
+            os.environ["MASTER_PORT"] = str(store.port)
+            dist.init_process_group(backend=backend, **(kwargs | {"store": store, "rank": 0, "world_size": 1}))
+            return
     url = init_method or "env://"
     if _store_outlives_attempt(url):
         store_timeout = timeout or default_pg_timeout
