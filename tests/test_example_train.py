@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.distributed import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,8 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def start(tmp: Path, ckpt: str, steps: int) -> subprocess.Popen:
     # A world of one under plain python: no rank variables an earlier test of this worker left behind (a stale
     # MASTER_PORT would send it to a port that is no longer free).
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = script_env(str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), "--ckpt", ckpt, "--steps", str(steps),
                              "--save-every", "5", "--n-embd", "32"],
                             cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

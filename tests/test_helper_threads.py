@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from tests.distributed import free_port, script_env
 from zero3.helper_threads import HelperThreads
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_the_process_exits_with_a_job_still_running(tmp_path: Path, case: str) -
     script.write_text(EXITS)
     started = time.monotonic()
     done = subprocess.run([sys.executable, str(script), case, str(marker)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          timeout=60, env=script_env(str(REPO)))
     took = time.monotonic() - started
     assert done.returncode == (1 if case == "error" else 0), done.stderr[-3000:]
     if case == "finished":
@@ -157,9 +157,9 @@ def test_a_rank_leaves_although_its_reducer_waits_on_a_collective_that_never_end
     port = free_port()
     ranks = []
     for rank in (0, 1):
-        env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
+        env = script_env(str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                         GLOO_SOCKET_IFNAME="lo")
         ranks.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), ending], cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
