@@ -63,8 +63,9 @@ class HelperThreads:
         with self._lock:
             if self._shut:
                 raise RuntimeError(f"the {self.name} helper threads were shut down; no new work is taken")
-            self._unfinished.add(future)
-            future.add_done_callback(self._forget)
+            if self.finish_at_exit_s > 0:  # (only the exit hook asks: a watcher's many small jobs are not tracked)
+                self._unfinished.add(future)
+                future.add_done_callback(self._forget)
             self._jobs.put((future, fn, args, kwargs))
             if self._idle > 0:
                 self._idle -= 1
@@ -99,7 +100,7 @@ class HelperThreads:
                 self._idle += 1
 
     def unfinished(self) -> list[Future[Any]]:
-        """The jobs queued or running."""
+        """The jobs queued or running (tracked where the pool finishes work at exit)."""
         with self._lock:
             return list(self._unfinished)
 

@@ -67,8 +67,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero3.helper_threads import HelperThreads
 from zero3.comm import Communicator
+from zero3.helper_threads import HelperThreads
 from zero3.offload.host import copy_to_host
 from zero3.partition.collectives import GradReduce
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
