@@ -199,14 +199,20 @@ def crashing_save(rank: int, world: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO3_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    from zero3.checkpoint import state
+    from zero3.checkpoint.data_files import DataFileWriter
 
     engine = build("fp32", root)
     train(engine, rank, world, data()[:1])
     engine.save_checkpoint(os.path.join(root, "run"), tag="a")
     train(engine, rank, world, data()[1:2])
-    if rank == 1:  # dies after its DCP files are written, before the tag is published
-        state.checksums = lambda files, checksum: os._exit(3)  # type: ignore[assignment]
+    if rank == 1:  # dies after its DCP file is written, before the tag is published
+        write_data = DataFileWriter.write_data
+
+        def written_then_killed(self: DataFileWriter, plan: object, planner: object) -> None:
+            write_data(self, plan, planner)  # type: ignore[arg-type]
+            os._exit(3)
+
+        DataFileWriter.write_data = written_then_killed  # type: ignore[method-assign]
     engine.save_checkpoint(os.path.join(root, "run"), tag="b")
 
 

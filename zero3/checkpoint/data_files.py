@@ -60,6 +60,7 @@ import torch.utils.serialization.config as torch_serialization_config
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -294,6 +295,8 @@ class DataFileWriter(FileSystemWriter):
         self._root = Path(path)
         self._checksum = checksum
         self.sums: dict[str, FileSums] = {}
+        self.results: list[WriteResult] = []  # this rank's, once written
+        self.all_results: list[list[WriteResult]] | None = None  # every rank's, where this rank coordinated
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -331,6 +334,11 @@ class DataFileWriter(FileSystemWriter):
             file.abandon()
             raise
         self.sums[name] = (size, items)
+        self.results = results
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)  # DCP waits on it
         return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.all_results = results  # zero3.checkpoint.repeat_saves remembers them

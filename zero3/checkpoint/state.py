@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from zero3.checkpoint import repeat_saves
 from zero3.checkpoint.chunks import RangeChunks
 from zero3.checkpoint.data_files import DataFileWriter
 from zero3.checkpoint.planners import LoadPlanner, SavePlanner
@@ -252,7 +253,8 @@ def save(
             staging_dir(root, tag).mkdir()
         except OSError as error:
             problem = save_failure(error, root, 0)
-    _agree(CommGroup(comm, engine.protocol.scope.group), problem, root, tag, engine.rank)  # rank 0's failure is every rank's
+    peers = CommGroup(comm, engine.protocol.scope.group)
+    _agree(peers, peers.all_gather_objects(problem), root, tag, engine.rank)  # rank 0's failure is every rank's
     # The engine's own state is taken now (an async write must not see later steps): a copy, so that
     # the writer never has to read anything back (see zero3.checkpoint.trust's Note).
     rank_states = comm.all_gather_objects(engine.rank_state) if engine.rank_state is not None else None
@@ -304,24 +306,32 @@ class Write:
         """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`), agreed
         among `peers` (an async save's own group, off the training thread's)."""
         staged = staging_dir(self.root, self.tag)
-        problem = None
+        key = plan_cache_key(peers.group)
+        state_layout = repeat_saves.layout(state)
+        # A save with the last one's layout on every rank skips DCP's exchanges (repeat_saves' Note).
+        last = repeat_saves.agreed(peers, key, state_layout)
+        problem, sums, metadata = None, {}, None
+        # Each item of this rank's file is summed as it is written, so that a load checks each as it reads
+        # it (zero3.checkpoint.trust's [Note: verified reads]); rank 0 also sums the metadata, whole.
+        writer = DataFileWriter(staged, SAVED_WITH)
+        planner = SavePlanner(cache_key=key)
         try:
-            # Each item of this rank's file is summed as it is written, so that a load checks each as it reads
-            # it (zero3.checkpoint.trust's [Note: verified reads]); rank 0 (DCP's coordinator) also sums the
-            # metadata it wrote, whole.
-            writer = DataFileWriter(staged, SAVED_WITH)
-            planner = SavePlanner(cache_key=plan_cache_key(peers.group))
-            dcp.save(grouped(state), storage_writer=writer, planner=planner, process_group=peers.group)
-            sums: dict[str, FileSums] = dict(checksums([staged / METADATA] if self.rank == 0 else [], SAVED_WITH))
-            sums.update(writer.sums)
+            if last is None:
+                metadata = dcp.save(grouped(state), storage_writer=writer, planner=planner, process_group=peers.group)
+            else:
+                repeat_saves.write(last, grouped(state), writer, planner, self.rank)
+            sums = dict(writer.sums)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
-        _agree(peers, problem, self.root, self.tag, self.rank)
-        files: dict[str, FileSums] = {}
-        for found in peers.all_gather_objects(sums):
-            files.update(found)
+        heard = peers.all_gather_objects((problem, sums, repeat_saves.changed_results(last, writer)))
+        _agree(peers, [found for found, _, _ in heard], self.root, self.tag, self.rank)
         if self.rank == 0:
             try:
+                if last is not None:
+                    repeat_saves.finish(last, writer, [results for _, _, results in heard])
+                files: dict[str, FileSums] = dict(checksums([staged / METADATA], SAVED_WITH))
+                for _, found, _ in heard:
+                    files.update(found)
                 temporary = staged / f".{ENGINE_FILE}.tmp"
                 torch.save(self.engine_state | {"files": files, "checksum": SAVED_WITH.name}, temporary)
                 write_engine_sum(temporary)
@@ -329,7 +339,8 @@ class Write:
                 publish(self.root, self.tag, self.save_latest)
             except Exception as error:  # noqa: BLE001 - told to every rank below
                 problem = save_failure(error, staged, 0)
-        _agree(peers, problem, self.root, self.tag, self.rank)
+        _agree(peers, peers.all_gather_objects(problem), self.root, self.tag, self.rank)
+        repeat_saves.remember(key, last, state_layout, planner, writer, metadata, self.rank)
         if self.rank == 0 and self.keep_last is not None:
             removed = prune(self.root, self.keep_last, self.tag)
             if removed:
@@ -383,10 +394,10 @@ def save_failure(error: BaseException, directory: Path, rank: int) -> str:
 _NEARLY_FULL = 1 << 20  # bytes: a write that failed with less free than this failed for room
 
 
-def _agree(peers: WriteGroup, problem: str | None, root: Path, tag: str, rank: int) -> None:
-    """Every rank learns whether any failed; if one did, the partial tag is removed and every rank raises
-    the same CheckpointError (what `latest` names is untouched)."""
-    problems = [found for found in peers.all_gather_objects(problem) if found is not None]
+def _agree(peers: WriteGroup, heard: list[str | None], root: Path, tag: str, rank: int) -> None:
+    """Every rank has `heard` whether any failed (each rank's problem, gathered); if one did, the partial tag
+    is removed and every rank raises the same CheckpointError (what `latest` names is untouched)."""
+    problems = [found for found in heard if found is not None]
     if not problems:
         return
     if rank == 0:
