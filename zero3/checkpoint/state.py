@@ -319,7 +319,7 @@ class Write:
             if last is None:
                 metadata = dcp.save(grouped(state), storage_writer=writer, planner=planner, process_group=peers.group)
             else:
-                repeat_saves.write(last, grouped(state), writer, planner, self.rank)
+                repeat_saves.write(last, state, writer, planner, self.rank)
             sums = dict(writer.sums)
         except (Exception, CheckpointException) as error:  # DCP's is a BaseException
             problem, sums = save_failure(error, staged, self.rank), {}
