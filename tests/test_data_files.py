@@ -10,6 +10,7 @@ layout saving in the same processes still save and load exactly.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import io
@@ -150,26 +151,34 @@ def test_large_bytes_go_to_the_file_from_their_own_memory(tmp_path: Path, monkey
     if not o_direct_works(tmp_path):
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT: the buffered path is tested above")
     real_write = os.write
-    sent: list[int] = []
+    sent: list[tuple[int, int]] = []
 
     def recorded(fd: int, data: object) -> int:
-        sent.append(memoryview(data).nbytes)  # type: ignore[arg-type]
+        view = memoryview(data)  # type: ignore[arg-type]
+        sent.append((view.nbytes, ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else 0))
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", recorded)
     file = DirectFile(tmp_path / "data")
-    aligned = torch.frombuffer(bytearray(os.urandom((1 << 20) + 4096 + 123)), dtype=torch.uint8)
-    aligned = aligned[-aligned.data_ptr() % PAGE :][: (1 << 20) + 123]  # starts on a page of memory
-    unaligned = torch.frombuffer(bytearray(os.urandom(300_000)), dtype=torch.uint8)[1:]
+    memory = torch.frombuffer(bytearray(os.urandom((2 << 20) + 3 * PAGE)), dtype=torch.uint8)
+    aligned = memory[-memory.data_ptr() % PAGE :][: (1 << 20) + 123]  # starts on a page of memory
+    unaligned = memory[-memory.data_ptr() % PAGE + (1 << 20) + 2 * PAGE + 1000 :][:300_000]  # 1000 bytes into one
     file.write(b"x" * 100)
-    file.write_large(data_files._bytes_of(unaligned), unaligned.data_ptr())  # the file is not at a page: copied
+    file.write_large(data_files._bytes_of(unaligned), unaligned.data_ptr())  # 100 into the file's page: copied
     file.write(bytes(-file.tell() % PAGE))
     file.write_large(data_files._bytes_of(aligned), aligned.data_ptr())
+    file.write(bytes(1000 - file.tell() % PAGE))  # (its last 123 bytes are 123 into the file's page)
+    file.write_large(data_files._bytes_of(unaligned), unaligned.data_ptr())  # 1000 into a page of both
     file.close()
     # The buffer went out up to the page the aligned bytes start at, then their whole pages straight from
-    # them; their last 123 bytes went out with the buffer at the close (padded to a page).
-    assert sent == [-(-(100 + 299_999) // PAGE) * PAGE, 1 << 20, PAGE], sent
-    expected = b"x" * 100 + bytes(unaligned.numpy()) + bytes(-(100 + 299_999) % PAGE) + bytes(aligned.numpy())
+    # them; then the buffer up to the page the unaligned bytes reach (their first 3096 bytes in it), then
+    # their whole pages straight from them; their rest went out with the buffer at the close.
+    first = -(-(100 + 300_000) // PAGE) * PAGE
+    body = (300_000 - (PAGE - 1000)) // PAGE * PAGE
+    assert sent == [(first, sent[0][1]), (1 << 20, aligned.data_ptr()), (PAGE, sent[2][1]),
+                    (body, unaligned.data_ptr() + PAGE - 1000), (PAGE, sent[4][1])], sent
+    expected = (b"x" * 100 + bytes(unaligned.numpy()) + bytes(-(100 + 300_000) % PAGE) + bytes(aligned.numpy())
+                + bytes(1000 - 123) + bytes(unaligned.numpy()))
     assert (tmp_path / "data").read_bytes() == expected
 
 
@@ -261,10 +270,10 @@ def test_torch_s_reader_reads_the_file_and_each_item_s_sum_is_its_bytes_in_the_f
         if crc_is == "off":  # the form's bytes are torch.save's, to the byte
             with crc(False):
                 assert item == torch_saved(tensor.contiguous().clone())
-    if crc_is == "off" and o_direct_works(tmp_path):  # a large item's data starts on a page of the file
+    if crc_is == "off" and o_direct_works(tmp_path):  # a large item's data sits where it does in a page of memory
         with crc(False):
             form = saved_form(torch.float32, (300, 100))
-        assert form is not None and (where["big"].offset + len(form.prefix)) % PAGE == 0
+        assert form is not None and (where["big"].offset + len(form.prefix)) % PAGE == saved["big"].data_ptr() % PAGE
     assert where["view"].length < len(torch_saved(torch.arange(40, dtype=torch.float32)))
 
 

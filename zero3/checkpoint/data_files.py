@@ -17,10 +17,11 @@ So `DataFileWriter` writes the file itself, front to back, through one
 aligned buffer (`DirectFile`), with `O_DIRECT` where the filesystem takes it
 and buffered writes where it does not (tmpfs before Linux 6.6, some network
 filesystems: the open or the first write says so). A large item (64 KiB or
-more) skips the buffer: a gap before it puts its data on a page of the file,
-and the staging segment put it on a page of memory (zero3.checkpoint.staging),
-so its whole pages go to the disk from where they are, without the 114 MiB
-copy (36 ms a save here). Each item's bytes are what `torch.save` writes for
+more) skips the buffer: a gap before it puts its data at the place within a
+page of the file that it has within a page of memory (the staging segment
+starts each on a page: zero3.checkpoint.staging), so its whole pages go to
+the disk from where they are, without the 114 MiB copy (36 ms a save here);
+only its first and last part-pages pass through the buffer. Each item's bytes are what `torch.save` writes for
 it, so torch's own `FileSystemReader` reads the files as before (the gaps are
 in no item); they are summed (XXH3, zero3.checkpoint.tags' [Note: checksums])
 from memory as they go out.
@@ -109,17 +110,26 @@ class DirectFile:
 
     def write_large(self, data: memoryview, address: int) -> None:
         """`data` (at memory `address`) to the file without copying it into the buffer: all of it where the
-        file is buffered; with O_DIRECT its whole pages where it starts on a page of memory and of the file,
-        and the rest through the buffer."""
-        if self.direct and (address % PAGE or self.tell() % PAGE):
+        file is buffered; with O_DIRECT, where it sits at the same place within a page of memory as the file
+        is within a page, its whole pages, and the rest (its first and last part-pages) through the buffer."""
+        if not self.direct:
+            self._send_buffer()
+            self._send(data)
+            return
+        if (address - self.tell()) % PAGE:
             self.write(data)
             return
-        if self._filled:
-            self._send(self._view[: self._filled])  # a whole number of pages: the file is at a page
-            self._filled = 0
-        body = len(data) // PAGE * PAGE if self.direct else len(data)
-        self._send(data[:body])
+        head = min(-address % PAGE, len(data))
+        self.write(data[:head])  # completes the file's page: the buffer holds whole pages now
+        self._send_buffer()
+        body = head + (len(data) - head) // PAGE * PAGE
+        self._send(data[head:body])
         self.write(data[body:])
+
+    def _send_buffer(self) -> None:
+        if self._filled:
+            self._send(self._view[: self._filled])
+            self._filled = 0
 
     def flush(self) -> None:
         """torch.save calls it; the buffer goes out when full or at `close`."""
@@ -313,8 +323,9 @@ class DataFileWriter(FileSystemWriter):
                 form = _form_without_crc(data.dtype, tuple(data.shape)) \
                     if with_forms and isinstance(data, torch.Tensor) else None
                 if form is not None and file.direct and data.nbytes >= LARGE:
-                    # A gap before the item, so that its data starts on a page of the file (`write_large`).
-                    file.write(bytes(-(file.tell() + len(form.prefix)) % PAGE))
+                    # A gap before the item, so that its data sits where it does within a page of memory
+                    # (`write_large` sends its whole pages from there).
+                    file.write(bytes((data.data_ptr() - file.tell() - len(form.prefix)) % PAGE))
                 offset = file.tell()
                 out = _Summed(file, self._checksum.start())
                 if isinstance(data, io.BytesIO):
