@@ -1,6 +1,6 @@
 """Imported at start-up by every Python process of a restart test's torchrun job (tests/test_restarts.py
-puts tests/hooks on its PYTHONPATH). In zero3's checkpoint writer process (`python -c`, started by a
-rank whose restart_job.py set ZERO3_TEST_MID_SAVE_KILLS) it installs restart_job's `mid_save` kill for
+puts tests/hooks on its PYTHONPATH), and by the checkpoint writers of tests/test_shared_state.py (on
+their ranks' path). In zero3's checkpoint writer process (`python -c`, started by a rank whose restart_job.py set ZERO3_TEST_MID_SAVE_KILLS) it installs restart_job's `mid_save` kill for
 async saves, which that process writes: once the listed step's files are written, before the tag is
 published, it SIGKILLs its rank, and the kernel then kills it too (zero3.checkpoint.writer_process).
 """
@@ -26,3 +26,21 @@ if _STEPS and sys.argv[:1] == ["-c"]:
         return _real_checksums(files, checksum)
 
     checkpoint_state.checksums = _checksums_or_kill_the_rank
+
+# With ZERO3_TEST_SLOW_WRITES (seconds), zero3's checkpoint writer process waits that long before it writes
+# each data file, so a test (tests/test_shared_state.py) changes the engine's state while a save that reads
+# it in place has yet to read it.
+_SLOW = os.environ.get("ZERO3_TEST_SLOW_WRITES")
+
+if _SLOW and sys.argv[:1] == ["-c"]:
+    import time
+
+    from zero3.checkpoint import data_files
+
+    _real_write_data = data_files.DataFileWriter.write_data
+
+    def _slow_write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        time.sleep(float(_SLOW))
+        return _real_write_data(self, plan, planner)
+
+    data_files.DataFileWriter.write_data = _slow_write_data

@@ -4,7 +4,10 @@ The state is staged in a shared-memory segment (zero3.checkpoint.staging) on the
 training thread; a thread of the engine then hands it to this rank's checkpoint
 writer process (zero3.checkpoint.writer_process, and its Note for why a
 process) and waits for the answer, the GIL free. Where the job's store has no
-address the thread writes the tag itself, on the checkpoint group.
+address the thread writes the tag itself, on the checkpoint group. Periodic
+saves written by the process read the engine's host buffers in place instead
+(zero3.checkpoint.shared_state), and whatever changes them first waits
+(`settle_readers`).
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import datetime
 import uuid
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from zero3.checkpoint.staging import StagingArena
+from zero3.checkpoint.shared_state import Adopt, SharedState
+from zero3.checkpoint.staging import IN_STATE, StagingArena
 from zero3.checkpoint.writer_process import WriteRequest, WriterProcess, WriterSetup, job_store_address
 from zero3.comm import Communicator
 from zero3.helper_threads import HelperThreads
@@ -31,7 +36,8 @@ _RUNNING, _NEEDED, _UNAVAILABLE = "running", "needed", "unavailable"
 
 
 class AsyncSaves:
-    def __init__(self, comm: Communicator, device: torch.device, rank: int, periodic: bool) -> None:
+    def __init__(self, comm: Communicator, device: torch.device, rank: int, periodic: bool,
+                 adopt: Adopt | None = None) -> None:
         self._comm = comm
         self._rank = rank  # in the job
         # Saves that come back every few steps (automatic checkpoints) keep the staging memory from one to the
@@ -42,6 +48,11 @@ class AsyncSaves:
         self._pending: Future[Any] | None = None
         self._writer: WriterProcess | None = None
         self._in_thread = False  # the job agreed that its saves are written in this thread
+        # Periodic saves by the writer process read the engine's host buffers here, in place; `adopt` (the
+        # engine's) moves buffers (zero3.checkpoint.shared_state's Note).
+        self._state = SharedState()
+        self._adopt = adopt
+        self._reads_in_place = False  # the pending save reads the engine's buffers in place
 
     def submit(self, write: Write, live: dict[str, Any]) -> Future[Path]:
         """Stage `live` (this rank's state entries) and write it in the background; collective (every rank
@@ -49,12 +60,16 @@ class AsyncSaves:
         from zero3.checkpoint.state import CommGroup
 
         assert self._pending is None or self._pending.done(), "wait() for the last save first"
-        placements = self._arena.stage(live, shared=not self._in_thread)
+        if self._periodic and self._adopt is not None and not self._in_thread:
+            self._state.share(live, self._adopt, self.settle_readers)
+        placements = self._arena.stage(live, shared=not self._in_thread, state=self._state)
+        self._reads_in_place = any(placed.segment == IN_STATE for placed in placements)
         writer = self._writer_for_this_save()
         if writer is None:
             group = CommGroup(self._comm, self._comm.checkpoint_group())
-            return self._thread().submit(write.run, group, self._arena.views(placements))
-        request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic)
+            return self._thread().submit(write.run, group, self._arena.views(placements, self._state))
+        request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic,
+                               state_segment=self._state.name if self._reads_in_place else None)
         return self._thread().submit(writer.write, request)
 
     def track(self, written: Future[Any] | Path) -> None:
@@ -62,9 +77,21 @@ class AsyncSaves:
         if isinstance(written, Future):
             self._pending = written
 
+    def settle_readers(self) -> None:
+        """Before the engine changes its state: wait for a save still reading it in place (its error, if it
+        failed, is raised by the next `wait`)."""
+        if self._reads_in_place and self._pending is not None:
+            wait_for([self._pending])
+            self._reads_in_place = False
+
+    def release_unused_state(self) -> None:
+        """Free the shared state once no buffer is in it (the engine moved them: `offload_states`)."""
+        self._state.release_if_unused()
+
     def wait(self) -> None:
         """Wait for a save still writing; raises its error, if it failed."""
         pending, self._pending = self._pending, None
+        self._reads_in_place = False
         if pending is None:
             return
         try:
@@ -87,6 +114,10 @@ class AsyncSaves:
             self._executor = None
         self._arena.close()
         return error
+
+    def release_state(self) -> None:
+        """Let go of the shared state (once the engine freed its buffers: they live in it)."""
+        self._state.close()
 
     def _thread(self) -> HelperThreads:
         if self._executor is None:

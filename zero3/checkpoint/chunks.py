@@ -20,9 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from zero3.partition.flat_buffer import Slot
 
 # DCP's own types are imported where a save or load uses them: importing torch.distributed.checkpoint
 # takes about a second (it brings DTensor and sympy), and the engine imports this module to stage its
@@ -69,6 +72,8 @@ class RangeChunks:
 
     Either `values` (a 1-D tensor of end - start elements, written and read in place) or a
     `read(offset, numel)` / `write(offset, tensor)` pair over the flat range (disk-backed state).
+    `home` is the engine's slot that `values` views, where there is one: periodic async saves move its
+    buffer into memory their writer reads (zero3.checkpoint.shared_state).
     """
 
     shape: tuple[int, ...]
@@ -78,6 +83,7 @@ class RangeChunks:
     values: torch.Tensor | None = None
     read: Callable[[int, int], torch.Tensor] | None = None
     write: Callable[[int, torch.Tensor], None] | None = None
+    home: Slot | None = None
 
     def __post_init__(self) -> None:
         self.boxes = range_boxes(self.shape, self.start, self.end)

@@ -11,7 +11,9 @@ DMA; elsewhere page-locking means nothing and is skipped.
 
 Each box of a parameter's range (zero3.checkpoint.chunks) has a place of its own, and a large one (64 KiB
 or more) starts on a page, so that the writer sends it to the file straight from the segment (`O_DIRECT`
-wants page-aligned memory: zero3.checkpoint.data_files' [Note: one pass per data file]).
+wants page-aligned memory: zero3.checkpoint.data_files' [Note: one pass per data file]). An entry that
+already lives in the engine's shared state (zero3.checkpoint.shared_state) is not copied: its placement
+names that segment (`IN_STATE`) and where it is there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from zero3 import accelerator
 from zero3.checkpoint.chunks import RangeChunks
+from zero3.checkpoint.shared_state import SharedState
 from zero3.shared_segments import create, release
 
 log = logging.getLogger("zero3")
@@ -34,6 +37,7 @@ log = logging.getLogger("zero3")
 _ALIGN = 64  # bytes: every entry starts on a cache line (and at any dtype's alignment)
 PAGE = 4096  # bytes: where a large box starts, for O_DIRECT
 LARGE = 64 << 10  # bytes: a box this large is written to its file straight from the segment
+STAGED, IN_STATE = 0, 1  # a placement's segment: the staging segment, or the engine's shared state
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Placement:
     shape: tuple[int, ...]  # a whole tensor's shape; a RangeChunks' range is flat
     chunks: tuple[tuple[int, ...], int, int] | None  # a RangeChunks' (global shape, start, end); None: a tensor
     box_offsets: tuple[int, ...] = ()  # a RangeChunks' boxes, in order
+    segment: int = STAGED  # which segment the offsets are in
 
     @property
     def numel(self) -> int:
@@ -62,11 +67,23 @@ def _aligned(cursor: int, nbytes: int) -> int:
     return -(-cursor // step) * step
 
 
-def place(live: dict[str, Any]) -> tuple[list[Placement], int]:
-    """Where each entry of `live` goes in a segment, and the segment's size in bytes."""
+def place(live: dict[str, Any], state: SharedState | None = None) -> tuple[list[Placement], int]:
+    """Where each entry of `live` goes in the staging segment, or is in the engine's shared `state`; and the
+    staging segment's size in bytes."""
     placements: list[Placement] = []
     cursor = 0
     for key, entry in live.items():
+        in_state = state.offset_of(entry.values) if isinstance(entry, RangeChunks) and entry.values is not None \
+            and state is not None else None
+        if in_state is not None:
+            assert isinstance(entry, RangeChunks)
+            offsets, at = [], in_state
+            for _, sizes in entry.boxes:
+                offsets.append(at)
+                at += math.prod(sizes) * entry.dtype.itemsize
+            placements.append(Placement(key, in_state, entry.dtype, (entry.end - entry.start,),
+                                        (entry.shape, entry.start, entry.end), tuple(offsets), IN_STATE))
+            continue
         if isinstance(entry, RangeChunks):
             offsets = []
             for _, sizes in entry.boxes:
@@ -86,11 +103,14 @@ def place(live: dict[str, Any]) -> tuple[list[Placement], int]:
     return placements, max(_aligned(cursor, 0), _ALIGN)
 
 
-def views(segment: memoryview, placements: list[Placement]) -> dict[str, Any]:
-    """The state as DCP saves it, every tensor over `segment`'s memory and, unlike a slice, with a storage
-    of its own: DCP copies a tensor whose storage is larger than it before saving it."""
+def views(segments: tuple[memoryview, memoryview | None], placements: list[Placement]) -> dict[str, Any]:
+    """The state as DCP saves it, every tensor over the memory of its segment (`segments`: the staging
+    segment's, the shared state's) and, unlike a slice, with a storage of its own: DCP copies a tensor whose
+    storage is larger than it before saving it."""
     state: dict[str, Any] = {}
     for placed in placements:
+        segment = segments[placed.segment]
+        assert segment is not None, f"{placed.key!r} is in the engine's shared state, which is not mapped here"
         if placed.chunks is None:
             state[placed.key] = _own(segment, placed.offset, placed.dtype, placed.numel).view(placed.shape)
         else:
@@ -143,14 +163,17 @@ class StagingArena:
         assert self.segment is not None
         return self.segment.name
 
-    def stage(self, live: dict[str, Any], shared: bool = True) -> list[Placement]:
-        """Copy every entry of `live` into the staging memory (shared if `shared` and there is room); returns
-        where each went (`views` makes the state of them, for a writer in this process). The copies have
-        landed when this returns, so training may change the originals."""
-        placements, size = place(live)
+    def stage(self, live: dict[str, Any], shared: bool = True, state: SharedState | None = None) -> list[Placement]:
+        """Copy every entry of `live` into the staging memory (shared if `shared` and there is room), but those
+        in the engine's shared `state`; returns where each is (`views` makes the state of them, for a writer
+        in this process). The copies have landed when this returns, so training may change the originals
+        (not those in `state`: see zero3.checkpoint.shared_state's Note)."""
+        placements, size = place(live, state)
         memory = self._memory(size, shared)
         arena = torch.frombuffer(memory, dtype=torch.uint8)
         for placed in placements:
+            if placed.segment == IN_STATE:
+                continue
             entry = live[placed.key]
             if isinstance(entry, RangeChunks):
                 numel = entry.end - entry.start
@@ -168,11 +191,13 @@ class StagingArena:
         accelerator.synchronize(self.device)
         return placements
 
-    def views(self, placements: list[Placement]) -> dict[str, Any]:
-        """The staged state as tensors over the staging memory (`views`), for a writer in this process."""
+    def views(self, placements: list[Placement], state: SharedState | None = None) -> dict[str, Any]:
+        """The staged state as tensors over the staging memory and the shared `state` (`views`), for a writer
+        in this process."""
         held = self._held()
         assert held is not None, "nothing is staged"
-        return views(held, placements)
+        return views((held, state.segment.buf if state is not None and state.segment is not None else None),
+                     placements)
 
     def _held(self) -> memoryview | None:
         """The staging memory held now (shared or private), if any."""

@@ -66,7 +66,7 @@ def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
     shape = tuple(sp.shape)
     buffer = slot.buffer
     if buffer.store is None:
-        return RangeChunks(shape, dtype, start, end, values=slot.view()[: end - start])
+        return RangeChunks(shape, dtype, start, end, values=slot.view()[: end - start], home=slot)
 
     def read(offset: int, numel: int) -> torch.Tensor:
         return buffer.read_range(slot.offset + offset, numel)

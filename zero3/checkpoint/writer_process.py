@@ -77,6 +77,7 @@ class WriteRequest:
     segment: str  # the staging segment's name
     placements: list[Placement]
     keep_mapped: bool  # the next save stages into the same segment: keep it mapped, else let it go once written
+    state_segment: str | None = None  # the engine's shared state, where placements read in place (kept mapped)
 
 
 def job_store_address() -> tuple[str, int] | None:
@@ -206,6 +207,7 @@ def serve(conn: Connection) -> int:
         return 1
     conn.send_bytes(pickle.dumps(("ready", None)))
     segment: Any = None
+    state: Any = None  # the engine's shared state (zero3.checkpoint.shared_state), mapped while it is the same
     try:
         while True:
             try:
@@ -218,13 +220,21 @@ def serve(conn: Connection) -> int:
                 if segment is not None:
                     release(segment, unlink=False)
                 segment = attach(request.segment)
+            if state is not None and state.name != request.state_segment:
+                release(state, unlink=False)
+                state = None
+            if state is None and request.state_segment is not None:
+                state = attach(request.state_segment)
+            staged: Any = None
             try:
-                reply: tuple[str, Any] = ("written", str(request.write.run(group, views(segment.buf, request.placements))))
+                staged = views((segment.buf, state.buf if state is not None else None), request.placements)
+                reply: tuple[str, Any] = ("written", str(request.write.run(group, staged)))
             except CheckpointError as error:  # agreed by every writer: the group is whole, go on
                 reply = ("failed", error)
             except BaseException as error:  # noqa: BLE001 - a collective broke: this generation is over
                 conn.send_bytes(pickle.dumps(("failed", _portable(error))))
                 return 1
+            staged = None  # (no view may outlive a mapping)
             if not request.keep_mapped:
                 release(segment, unlink=False)
                 segment = None

@@ -67,6 +67,9 @@ class FlatBuffer:
         self.home = str(tensor.device)
         self.store: BackingStore | None = None
         self._parked_in: FileReader | None = None  # the file offload_states parked it in
+        # Run before `write_range` and `fill` change the data: a save may be reading it in place
+        # (zero3.checkpoint.shared_state sets it).
+        self.before_write: Callable[[], None] | None = None
 
     @classmethod
     def zeros(
@@ -149,6 +152,8 @@ class FlatBuffer:
 
     def write_range(self, offset: int, values: torch.Tensor) -> None:
         """Store `values` (cast to the buffer's dtype) at [offset, offset+numel), in memory or on its file."""
+        if self.before_write is not None:
+            self.before_write()
         if self.store is not None and self._tensor.is_meta:
             self.store.write(offset, values.detach().to("cpu", self.dtype).contiguous())
             return
@@ -159,6 +164,8 @@ class FlatBuffer:
 
     def fill(self, value: float, chunk_numel: int = 1 << 20) -> None:
         """Every element set to `value`, in memory or on its file (a chunk at a time there)."""
+        if self.before_write is not None:
+            self.before_write()
         if not (self.store is not None and self._tensor.is_meta):
             self.tensor.fill_(value)
             return

@@ -162,6 +162,7 @@ class EarlySteps:
         optimizer = self.optimizer
         if any(buffer.parked for buffer in optimizer.states.buffers.values()):
             return  # parked by offload_states: the step is refused until reload_states, so nothing steps early
+        optimizer.before_state_change()  # the early steps change the state a save may be reading in place
         device = optimizer.step_device
         self._scalars = optimizer.scalar_snapshot()
         self._hyperparameters = _hyperparameters(optimizer.param_groups)

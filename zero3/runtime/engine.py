@@ -130,7 +130,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self._last_step_applied = True
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's answer
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
-        self.saves = AsyncSaves(comm, device, self.global_rank, periodic=config.checkpoint.automatic)
+        self.saves = AsyncSaves(comm, device, self.global_rank, periodic=config.checkpoint.automatic,
+                                adopt=self._adopt_buffers)
+        if self.optimizer is not None:  # a save may read the state in place (zero3.checkpoint.shared_state)
+            self.optimizer.before_state_change = self.saves.settle_readers
         self.client_state: Any = None
         self._checkpoint_states: dict[str, Any] = {}
         self._pending_states: dict[str, Any] = {}
@@ -440,6 +443,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             self.fault_tolerance.close()
         self.parts.close()
         self.optimizer = self.grads = None
+        self.saves.release_state()  # (the buffers that lived in it are freed)
         self.lr_scheduler = None
         self.units = []
         self.persistent_unit = None

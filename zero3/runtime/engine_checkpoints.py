@@ -19,9 +19,11 @@ from torch import nn
 from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.checkpoint.tags import CheckpointError, latest_tag
 from zero3.config import Zero3Config
+from zero3.enums import OffloadStateType
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
+from zero3.partition.flat_buffer import FlatBuffer
 from zero3.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
@@ -73,6 +75,7 @@ class CheckpointMethods:
     skipped_steps: int
     _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
     _require_resident: Callable[..., None]
+    _prepare_offload: Callable[[set[OffloadStateType]], None]  # lets go of every view of the states named
     # The client state the last load returned, and what automatic checkpoints save (set it to save yours).
     client_state: Any
     _checkpoint_states: dict[str, Any]  # register_checkpoint_state's objects, by name
@@ -413,6 +416,18 @@ class CheckpointMethods:
         if self.global_rank == 0:
             log.info("checkpoint.resume: resumed from %s at step %d", path, self.global_steps)
         return path
+
+    def _adopt_buffers(self, moved: dict[FlatBuffer, torch.Tensor]) -> None:
+        """Point flat buffers at new tensors holding the same values (zero3.checkpoint.shared_state), after
+        letting go of every view of their states, as `offload_states` does before it moves them."""
+        optimizer = self.optimizer
+        bound = optimizer is not None and optimizer.views_bound
+        self._prepare_offload({OffloadStateType(buffer.state) for buffer in moved})
+        for buffer, tensor in moved.items():
+            buffer.replace(tensor)
+        if bound:
+            assert optimizer is not None
+            optimizer.bind_views()
 
     def _checkpointed(self, saving: bool = False) -> checkpoint_state.CheckpointedEngine:
         checkpoint_state = _state()

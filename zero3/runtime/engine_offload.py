@@ -22,6 +22,7 @@ from zero3.step_protocol import StepProtocol
 from zero3.runtime.build import EngineParts
 
 if TYPE_CHECKING:
+    from zero3.checkpoint.async_saves import AsyncSaves
     from zero3.fault_tolerance.replica_step import ReplicaStep
 
 # The states each training call reads or writes (a call refuses to run while one is offloaded).
@@ -38,6 +39,7 @@ class OffloadMethods:
     protocol: StepProtocol
     parts: EngineParts
     offloader: StateOffloader
+    saves: AsyncSaves
     _check_alive: Callable[[], None]  # the engine's: refuses a destroyed engine
     fault_tolerance: ReplicaStep | None  # torchft's side of the step (zero3.fault_tolerance), if enabled
 
@@ -73,6 +75,7 @@ class OffloadMethods:
 
         self.protocol.agree("offload_states", offload, " (no rank keeps this call's states offloaded)",
                             undo=lambda: self.offloader.undo(mark))
+        self.saves.release_unused_state()  # what async saves read in place, once all of it moved out
 
     def pin_offload_buffers(self, include: Any = None) -> int:
         """Page-lock, in a background thread, the host buffers that `offload_states(include,

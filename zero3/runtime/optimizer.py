@@ -80,6 +80,10 @@ class MasterSlots:
     owner: "ZeroOptimizer"  # the optimizer that steps the parameter (zero3.accessors asks whether it has yet)
 
 
+def _nothing() -> None:
+    pass
+
+
 # Each parameter's master slots, for the per-parameter accessors (zero3.safe_get_local_fp32_param, ...).
 _MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKeyDictionary()
 
@@ -89,6 +93,7 @@ def settle_for_accessor(sp: ShardedParam) -> None:
     early steps are undone (zero3.runtime.early_step), so it sees no speculated value."""
     slots = _MASTERS.get(sp)
     if slots is not None:
+        slots.owner.before_state_change()  # (a write must not reach a save reading the state in place)
         slots.owner.undo_early_steps("an accessor read or wrote the optimizer's state")
 
 
@@ -236,6 +241,9 @@ class ZeroOptimizer:
         self.replica_step: ReplicaStep | None = None
         self.dropped = False
         self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
+        # Called before anything here changes the masters, moments or 16-bit shards: an async save may be
+        # reading them in place (zero3.checkpoint.shared_state); the engine sets it.
+        self.before_state_change: Callable[[], None] = _nothing
         if not self.states.transactional:
             self.bind_views()
         # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce
@@ -356,6 +364,11 @@ class ZeroOptimizer:
     # holds the masters, and a disk tier's walk
     # after every step: its windows are reused) and each step binds them
     # again from the windows it is handed.
+    @property
+    def views_bound(self) -> bool:
+        """Whether the masters and moments view the buffers now (see the Note)."""
+        return self._views_bound
+
     def bind_views(self) -> None:
         for sub in self.sub_groups:
             self._bind(sub, {name: buffer.view(sub.offset, sub.numel) for name, buffer in self.states.buffers.items()})
@@ -462,6 +475,7 @@ class ZeroOptimizer:
         none]); a failed disk tier leaves the state as it was before the step and
         keeps the gradients, so the step can be retried (StepIOError(step_applied=False)).
         """
+        self.before_state_change()
         failure: BaseException | None = None
         work: torch.Tensor | None = None
         self.dropped = False
@@ -725,6 +739,7 @@ class ZeroOptimizer:
         """Mark each parameter stepped with its scalars (its elementwise states were written into the
         buffers), or, with None, never stepped (torch creates its state at its next step); the views are
         bound once for all (a load sets every parameter)."""
+        self.before_state_change()
         for sp, scalars in scalars_by_param.items():
             for master in self._masters_by_param[sp]:
                 state = self.optimizer.state[master]
@@ -743,6 +758,7 @@ class ZeroOptimizer:
     def read_client_state(self, client: torch.optim.Optimizer) -> None:
         """Take over the state a client optimizer already has for its parameters: this rank's shard of
         each elementwise state, and the scalars."""
+        self.before_state_change()
         stepped: dict[ShardedParam, dict[str, torch.Tensor] | None] = {}
         for sp in self.params:
             state = client.state.get(sp.param)
@@ -825,6 +841,7 @@ class ZeroOptimizer:
         """After a step whose 16-bit shards were not all written: write them again from the masters."""
         if not self.lp_stale:
             return
+        self.before_state_change()
         if self.hp_params is None:  # the masters are the shards: nothing can lag behind them
             self.lp_stale = False
             return
