@@ -225,7 +225,7 @@ def test_staged_boxes_have_places_of_their_own_and_large_ones_start_on_a_page() 
         count = sizes[0] * sizes[1]
         arena[at : at + 4 * count].view(torch.float32).copy_(values[50 + cursor : 50 + cursor + count])
         cursor += count
-    staged = views(segment, placements)
+    staged = views((segment, None), placements)
     for offsets, _ in live["weight"].boxes:
         assert torch.equal(staged["weight"].box(torch.Size(offsets))[1], live["weight"].box(torch.Size(offsets))[1])
     assert torch.equal(staged["scalar"], live["scalar"])

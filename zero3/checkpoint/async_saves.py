@@ -116,8 +116,10 @@ class AsyncSaves:
         return error
 
     def release_state(self) -> None:
-        """Let go of the shared state (once the engine freed its buffers: they live in it)."""
+        """Let go of the shared state (once the engine freed its buffers: they live in it), and of the
+        engine's `adopt` (a bound method: the engine would not be freed before a collection)."""
         self._state.close()
+        self._adopt = None
 
     def _thread(self) -> HelperThreads:
         if self._executor is None:
