@@ -52,11 +52,17 @@ def _full_masters(engine: Any) -> dict[str, torch.Tensor]:
     return {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
 
 
-def saved_twice_then_trained(rank: int, world: int, root: str) -> dict[str, Any]:
+def _counted_engine_after_one_step(rank: int, world: int) -> tuple[list[str], Any]:
+    """This process's DCP saves counted from now on, and an engine trained one step."""
     through_dcp = _counting_dcp_saves()
     torch.manual_seed(0)
     engine = zero3.initialize(model=models.TiedTransformer(), config=CONFIG)[0]
     _train_step(engine, rank, world, seed=0)
+    return through_dcp, engine
+
+
+def saved_twice_then_trained(rank: int, world: int, root: str) -> dict[str, Any]:
+    through_dcp, engine = _counted_engine_after_one_step(rank, world)
     engine.save_checkpoint(root, tag="planned")
     engine.save_checkpoint(root, tag="repeated")  # the same state, the same layout
     _train_step(engine, rank, world, seed=1)
@@ -98,10 +104,7 @@ def test_a_repeated_save_writes_the_files_dcp_writes_and_loads_exactly(tmp_path:
 
 
 def repeated_save_fails_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
-    through_dcp = _counting_dcp_saves()
-    torch.manual_seed(0)
-    engine = zero3.initialize(model=models.TiedTransformer(), config=CONFIG)[0]
-    _train_step(engine, rank, world, seed=0)
+    through_dcp, engine = _counted_engine_after_one_step(rank, world)
     engine.save_checkpoint(root, tag="first")
     real_write = DataFileWriter.write_data
 

@@ -1,12 +1,13 @@
 """Periodic async saves that read the engine's host state in place (zero3.checkpoint.shared_state): the
 buffers move into the writer's shared memory at the first save, training is bit for bit what it is without
 saves, every tag holds the state of its step even where the state is changed while the writer has yet to
-read it (a step, an accessor's write to a trained or a frozen parameter, parking and reloading), and
-parking frees the shared memory.
+read it (a step, an accessor's write to a trained or a frozen parameter, parking and reloading), a step
+waits only until the save has read the state, not until it is published, and parking frees the shared
+memory.
 
 The ranks' checkpoint writers start with tests/hooks on their path, whose sitecustomize makes each wait
-before it writes (ZERO3_TEST_SLOW_WRITES): without the waits on the engine's side, those tags would hold
-the changed values.
+before it writes (ZERO3_TEST_SLOW_WRITES), or holds each tag once written (ZERO3_TEST_HOLD_SAVES): without
+the waits on the engine's side, those tags would hold the changed values.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ HOOKS = str(Path(__file__).parent / "hooks")
 GLOBAL_BATCH = 4
 
 
-def config(variant: str, root: str | None) -> dict[str, Any]:
+def config(variant: str, root: str | None, interval_steps: int = 1) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -38,18 +39,18 @@ def config(variant: str, root: str | None) -> dict[str, Any]:
     if variant == "lean":  # no 16-bit shards: the gathers cast the masters (zero3.partition.lean)
         cfg["zero_optimization"]["lean_memory"] = True
     if root is not None:
-        cfg["checkpoint"] = {"dir": root, "interval_steps": 1, "async_save": True, "keep_last": 10}
+        cfg["checkpoint"] = {"dir": root, "interval_steps": interval_steps, "async_save": True, "keep_last": 10}
     return cfg
 
 
 FROZEN = "blocks.1.mlp.0.weight"  # its saved values are its 16-bit shard's
 
 
-def build(variant: str, root: str | None) -> zero3.ZeroEngine:
+def build(variant: str, root: str | None, interval_steps: int = 1) -> zero3.ZeroEngine:
     torch.manual_seed(0)
     model = models.TiedTransformer()
     model.get_parameter(FROZEN).requires_grad_(False)
-    engine, *_ = zero3.initialize(model=model, config=config(variant, root))
+    engine, *_ = zero3.initialize(model=model, config=config(variant, root, interval_steps))
     return engine
 
 
@@ -166,3 +167,29 @@ def test_a_state_changed_while_a_save_reads_it_in_place_waits_for_the_save(tmp_p
         assert result["tags_hold_their_steps"] == [True] * 4, (rank, result)
         assert result["again"], rank
         assert result["segments"] == {"parked": False, "reloaded": False}, (rank, result["segments"])
+
+
+def stepped_while_publishing(rank: int, world: int, root: str, gate: str) -> dict[str, Any]:
+    sys.path.insert(0, HOOKS)  # the writers this rank starts import tests/hooks/sitecustomize.py
+    os.environ["ZERO3_TEST_HOLD_SAVES"] = gate  # rank 0's writer holds each tag, written, until `gate` exists
+    data = models.batches("tokens", 3, GLOBAL_BATCH)
+    engine = build("fp32", root, interval_steps=2)
+    models.train_steps(engine, rank, world, data[:2])  # global_step2, read in place, held before publication
+    saved = raw_state(engine)
+    models.train_steps(engine, rank, world, data[2:])  # a step: it waits for the read alone
+    pending = engine.saves._pending
+    seen = {"stepped": engine.global_steps == 3, "save_still_pending": pending is not None and not pending.done(),
+            "published": (Path(root) / "global_step2").exists()}
+    torch.distributed.barrier()  # every rank has looked before the gate opens
+    if rank == 0:
+        Path(gate).touch()
+    engine.wait_for_checkpoint()
+    seen["tag_holds_its_step"] = same(tag_state("fp32", root, "global_step2"), saved)
+    engine.destroy()
+    return seen
+
+
+def test_a_step_waits_for_a_save_to_read_the_state_not_to_publish_it(tmp_path: Path) -> None:
+    for rank, seen in enumerate(run_ranks(2, stepped_while_publishing, str(tmp_path), str(tmp_path / "gate"))):
+        assert seen == {"stepped": True, "save_still_pending": True, "published": False,
+                        "tag_holds_its_step": True}, (rank, seen)

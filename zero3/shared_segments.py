@@ -19,10 +19,26 @@ log = logging.getLogger("zero3")
 
 _NAMES = itertools.count()
 
+PAGE = 4096  # bytes: where a buffer within a segment starts (O_DIRECT's alignment covers 512-byte sectors)
+
 
 def create(kind: str, size: int) -> SharedMemory:
     """A new segment of `size` bytes, named after `kind` and this process."""
     return SharedMemory(name=f"zero3-{kind}-{os.getpid()}-{next(_NAMES)}", create=True, size=size)
+
+
+def create_backed(kind: str, size: int) -> SharedMemory:
+    """A new segment whose pages are taken now; OSError (the segment released) when /dev/shm lacks the room.
+
+    Without that, a tmpfs short of room would kill the process with SIGBUS at the first copy into it.
+    """
+    segment = create(kind, size)
+    try:
+        os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+    except OSError:
+        release(segment, unlink=True)
+        raise
+    return segment
 
 
 def attach(name: str) -> SharedMemory:

@@ -44,3 +44,25 @@ if _SLOW and sys.argv[:1] == ["-c"]:
         return _real_write_data(self, plan, planner)
 
     data_files.DataFileWriter.write_data = _slow_write_data
+
+# With ZERO3_TEST_HOLD_SAVES (a path), zero3's checkpoint writer process of rank 0 holds each tag, once
+# every data file is written, until that file exists (20 s at most, then the save fails), so a test
+# (tests/test_shared_state.py) trains on while a save it has read is not yet published.
+_GATE = os.environ.get("ZERO3_TEST_HOLD_SAVES")
+
+if _GATE and sys.argv[:1] == ["-c"]:
+    import time
+
+    import zero3.checkpoint.state as checkpoint_state
+
+    _checksums_past_the_gate = checkpoint_state.checksums
+
+    def _checksums_once_the_gate_opens(files, checksum):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 20.0
+        while not os.path.exists(_GATE):
+            if time.monotonic() > deadline:
+                raise OSError(f"the test's gate {_GATE} stayed shut")
+            time.sleep(0.02)
+        return _checksums_past_the_gate(files, checksum)
+
+    checkpoint_state.checksums = _checksums_once_the_gate_opens

@@ -13,9 +13,9 @@ saves written by the process read the engine's host buffers in place instead
 from __future__ import annotations
 
 import datetime
+import threading
 import uuid
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ class AsyncSaves:
         self._state = SharedState()
         self._adopt = adopt
         self._reads_in_place = False  # the pending save reads the engine's buffers in place
+        self._read = threading.Event()  # the pending save has read its state (or ended)
 
     def submit(self, write: Write, live: dict[str, Any]) -> Future[Path]:
         """Stage `live` (this rank's state entries) and write it in the background; collective (every rank
@@ -65,12 +66,16 @@ class AsyncSaves:
         placements = self._arena.stage(live, shared=not self._in_thread, state=self._state)
         self._reads_in_place = any(placed.segment == IN_STATE for placed in placements)
         writer = self._writer_for_this_save()
+        read = self._read = threading.Event()  # set once the state is read, or the save is over
         if writer is None:
             group = CommGroup(self._comm, self._comm.checkpoint_group())
-            return self._thread().submit(write.run, group, self._arena.views(placements, self._state))
-        request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic,
-                               state_segment=self._state.name if self._reads_in_place else None)
-        return self._thread().submit(writer.write, request)
+            written = self._thread().submit(write.run, group, self._arena.views(placements, self._state), read.set)
+        else:
+            request = WriteRequest(write, self._arena.name, placements, keep_mapped=self._periodic,
+                                   state_segment=self._state.name if self._reads_in_place else None)
+            written = self._thread().submit(writer.write, request, read.set)
+        written.add_done_callback(lambda _: read.set())
+        return written
 
     def track(self, written: Future[Any] | Path) -> None:
         """Remember a save still writing (a finished one needs nothing)."""
@@ -78,10 +83,10 @@ class AsyncSaves:
             self._pending = written
 
     def settle_readers(self) -> None:
-        """Before the engine changes its state: wait for a save still reading it in place (its error, if it
-        failed, is raised by the next `wait`)."""
+        """Before the engine changes its state: wait until a save reading it in place has read it all (not
+        for its sync and publication; its error, if it failed, is raised by the next `wait`)."""
         if self._reads_in_place and self._pending is not None:
-            wait_for([self._pending])
+            self._read.wait()
             self._reads_in_place = False
 
     def release_unused_state(self) -> None:

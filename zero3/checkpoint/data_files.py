@@ -52,6 +52,7 @@ import functools
 import io
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,10 +301,12 @@ class DataFileWriter(FileSystemWriter):
     with every item summed as it is written (see [Note: one pass per data file]); `sums` holds this rank's
     files' entries for the engine file."""
 
-    def __init__(self, path: Path, checksum: Checksum) -> None:
+    def __init__(self, path: Path, checksum: Checksum, on_read: Callable[[], None] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self._root = Path(path)
         self._checksum = checksum
+        # Told once every item has gone to the file (before its sync): the state it read may change from then.
+        self._on_read = on_read
         self.sums: dict[str, FileSums] = {}
         self.results: list[WriteResult] = []  # this rank's, once written
         self.all_results: list[list[WriteResult]] | None = None  # every rank's, where this rank coordinated
@@ -340,6 +343,8 @@ class DataFileWriter(FileSystemWriter):
                 items[offset] = (length, out.running.intdigest())
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
+            if self._on_read is not None:
+                self._on_read()
             size = file.close()
         except BaseException:
             file.abandon()

@@ -15,8 +15,9 @@ values that are saved) into one shared-memory segment: copied once, the
 engine's views of them let go of and bound again, as `offload_states` does.
 From then on a save only says where each entry already is, and the writer
 writes it from there; nothing is copied. In exchange, the state must not
-change while the writer reads it: whatever changes it first waits for the
-save in flight (`AsyncSaves.settle_readers`, which the optimizer calls before
+change while the writer reads it: whatever changes it first waits until the
+save in flight has read it all (its data file written; the sync, checksums
+and publication go on behind; `AsyncSaves.settle_readers`, which the optimizer calls before
 a step, an early step in the backward, an accessor's read or write, and a
 load or repair of its states; and a moved buffer's own `write_range`, which
 the accessors of frozen parameters write through). A step follows a save by a forward and a
@@ -32,7 +33,6 @@ device, or on disk is never moved: those saves stage as before.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -41,11 +41,10 @@ import torch
 
 from zero3.checkpoint.chunks import RangeChunks
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.shared_segments import create, release
+from zero3.shared_segments import PAGE, create_backed, release
 
 log = logging.getLogger("zero3")
 
-PAGE = 4096
 
 # The engine's part of moving buffers: let go of every view of each buffer, then point it at its new tensor
 # (zero3.runtime.engine_checkpoints).
@@ -145,12 +144,8 @@ def repoint(live: dict[str, Any]) -> None:
 
 
 def _segment(size: int) -> SharedMemory | None:
-    segment = create("state", size)
     try:
-        # Take the pages now: a tmpfs without room for them would kill the process with SIGBUS at the copy.
-        os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+        return create_backed("state", size)
     except OSError:
-        release(segment, unlink=True)
         return None
-    return segment
 

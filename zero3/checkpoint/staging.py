@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -30,12 +29,11 @@ import torch
 from zero3 import accelerator
 from zero3.checkpoint.chunks import RangeChunks
 from zero3.checkpoint.shared_state import SharedState
-from zero3.shared_segments import create, release
+from zero3.shared_segments import PAGE, create_backed, release  # PAGE: where a large box starts
 
 log = logging.getLogger("zero3")
 
 _ALIGN = 64  # bytes: every entry starts on a cache line (and at any dtype's alignment)
-PAGE = 4096  # bytes: where a large box starts, for O_DIRECT
 LARGE = 64 << 10  # bytes: a box this large is written to its file straight from the segment
 STAGED, IN_STATE = 0, 1  # a placement's segment: the staging segment, or the engine's shared state
 
@@ -220,19 +218,15 @@ class StagingArena:
         return memory
 
     def _shared_segment(self, size: int) -> SharedMemory | None:
-        segment = create("ckpt", size)
         try:
-            # Take the pages now: a tmpfs without room for them would kill the process with SIGBUS at the copy.
-            os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+            return create_backed("ckpt", size)
         except OSError as error:
-            release(segment, unlink=True)
             if not self._told:
                 log.warning("async saves: /dev/shm has no room for %d MiB of staged state (%s); staging in this "
                             "process's memory, written by a thread (a container wants a larger --shm-size)",
                             size >> 20, error.strerror or error)
                 self._told = True
             return None
-        return segment
 
     def close(self) -> None:
         """Free the staging memory (a writer still mapping the segment keeps its pages until it lets go)."""

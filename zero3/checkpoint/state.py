@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -302,9 +302,11 @@ class Write:
     keep_last: int | None
     rank: int  # this rank in the job
 
-    def run(self, peers: WriteGroup, state: dict[str, Any]) -> Path:
+    def run(self, peers: WriteGroup, state: dict[str, Any], on_read: Callable[[], None] | None = None) -> Path:
         """Write, check, publish; a failure anywhere is every rank's `CheckpointError` (see `_agree`), agreed
-        among `peers` (an async save's own group, off the training thread's)."""
+        among `peers` (an async save's own group, off the training thread's). `on_read` is called once this
+        rank's data file holds every item of `state` (before its sync and the publication): an async save
+        that reads the engine's buffers in place lets the engine change them from then on."""
         staged = staging_dir(self.root, self.tag)
         key = plan_cache_key(peers.group)
         state_layout = repeat_saves.layout(state)
@@ -313,7 +315,7 @@ class Write:
         problem, sums, metadata = None, {}, None
         # Each item of this rank's file is summed as it is written, so that a load checks each as it reads
         # it (zero3.checkpoint.trust's [Note: verified reads]); rank 0 also sums the metadata, whole.
-        writer = DataFileWriter(staged, SAVED_WITH)
+        writer = DataFileWriter(staged, SAVED_WITH, on_read)
         planner = SavePlanner(cache_key=key)
         try:
             if last is None:

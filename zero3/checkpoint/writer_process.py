@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,6 +58,7 @@ log = logging.getLogger("zero3")
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 _ENTRY = "import sys; from zero3.checkpoint.writer_process import main; sys.exit(main())"
+_READ = object()  # the writer's word that it has read the state (before the tag's answer)
 _STARTUP_S = 600.0  # a writer importing torch on a loaded machine takes seconds; more means it is stuck
 
 
@@ -113,13 +115,18 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def write(self, request: WriteRequest) -> Path:
-        """Have the writer write one tag; returns its path, or raises what the writer raised."""
+    def write(self, request: WriteRequest, on_read: Callable[[], None] | None = None) -> Path:
+        """Have the writer write one tag; returns its path, or raises what the writer raised. `on_read` is
+        called when the writer says it has read all of the state (`Write.run`'s)."""
         if not self._ready:
             self._reply(f"starting the checkpoint writer process (pid {self._process.pid})", _STARTUP_S)
             self._ready = True
         self._send(request)
-        return Path(self._reply(f"writing tag {request.write.tag!r}", None))
+        doing = f"writing tag {request.write.tag!r}"
+        while (path := self._reply(doing, None)) is _READ:
+            if on_read is not None:
+                on_read()
+        return Path(path)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ask the writer to exit; kill it if it does not within `timeout_s`."""
@@ -147,7 +154,7 @@ class WriterProcess:
             raise CheckpointError(f"the checkpoint writer process exited (code {code}) while {doing}") from None
         if outcome == "failed":
             raise value
-        return value
+        return _READ if outcome == "read" else value
 
 
 # --------------------------------------------------------------------------- the writer's side
@@ -228,7 +235,10 @@ def serve(conn: Connection) -> int:
             staged: Any = None
             try:
                 staged = views((segment.buf, state.buf if state is not None else None), request.placements)
-                reply: tuple[str, Any] = ("written", str(request.write.run(group, staged)))
+                def tell_read() -> None:
+                    conn.send_bytes(pickle.dumps(("read", None)))
+
+                reply: tuple[str, Any] = ("written", str(request.write.run(group, staged, tell_read)))
             except CheckpointError as error:  # agreed by every writer: the group is whole, go on
                 reply = ("failed", error)
             except BaseException as error:  # noqa: BLE001 - a collective broke: this generation is over
