@@ -62,7 +62,7 @@ LAUNCHER = textwrap.dedent(
 
 
 @pytest.mark.timeout(900)
-def test_thirty_jobs_ending_in_destroy_process_group_exit_cleanly(tmp_path: Path) -> None:
+def test_jobs_ending_in_destroy_process_group_exit_cleanly(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     launcher = tmp_path / "launch.py"
