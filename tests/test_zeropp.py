@@ -23,7 +23,7 @@ from tests import models
 from tests.distributed import run_ranks
 from zero3.models.gpt import GPT, GPTConfig
 
-STEPS, MICRO = 30, 4
+STEPS, MICRO = 20, 4
 
 
 def gpt_config(zero: dict) -> dict:
@@ -31,7 +31,7 @@ def gpt_config(zero: dict) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "bf16": {"enabled": True},
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 6e-3}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
     }
 
