@@ -28,7 +28,7 @@ HOOKS = str(Path(__file__).parent / "hooks")
 GLOBAL_BATCH = 4
 
 
-def config(variant: str, root: str | None, interval_steps: int = 1) -> dict[str, Any]:
+def config(variant: str, root: str | None, interval_steps: int = 1, keep_last: int = 10) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
@@ -39,18 +39,19 @@ def config(variant: str, root: str | None, interval_steps: int = 1) -> dict[str,
     if variant == "lean":  # no 16-bit shards: the gathers cast the masters (zero3.partition.lean)
         cfg["zero_optimization"]["lean_memory"] = True
     if root is not None:
-        cfg["checkpoint"] = {"dir": root, "interval_steps": interval_steps, "async_save": True, "keep_last": 10}
+        cfg["checkpoint"] = {"dir": root, "interval_steps": interval_steps, "async_save": True,
+                             "keep_last": keep_last}
     return cfg
 
 
 FROZEN = "blocks.1.mlp.0.weight"  # its saved values are its 16-bit shard's
 
 
-def build(variant: str, root: str | None, interval_steps: int = 1) -> zero3.ZeroEngine:
+def build(variant: str, root: str | None, interval_steps: int = 1, keep_last: int = 10) -> zero3.ZeroEngine:
     torch.manual_seed(0)
     model = models.TiedTransformer()
     model.get_parameter(FROZEN).requires_grad_(False)
-    engine, *_ = zero3.initialize(model=model, config=config(variant, root, interval_steps))
+    engine, *_ = zero3.initialize(model=model, config=config(variant, root, interval_steps, keep_last))
     return engine
 
 

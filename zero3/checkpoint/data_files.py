@@ -79,7 +79,9 @@ class DirectFile:
 
     def __init__(self, path: Path, direct: bool = True) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        # Not truncated: a recycled file is written over in place, then cut to what was written ([Note:
+        # recycled data files] in zero3.checkpoint.tags).
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         self.direct = direct and hasattr(os, "O_DIRECT")
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
@@ -92,6 +94,7 @@ class DirectFile:
         self._view = memoryview(self._buffer)
         self._filled = 0  # bytes waiting in the buffer
         self._flushed = 0  # bytes in the file
+        self._old_size = os.fstat(self._fd).st_size  # what the file held before (a recycled file's)
 
     def tell(self) -> int:
         return self._flushed + self._filled
@@ -145,9 +148,9 @@ class DirectFile:
                 self._view[tail:padded] = bytes(padded - tail)
                 self._send(self._view[:padded])
                 self._filled = 0
-                if self._flushed != size:
-                    os.ftruncate(self._fd, size)  # O_DIRECT wrote whole pages: drop the padding
-                    self._flushed = size
+            if self._flushed != size or self._old_size > size:
+                os.ftruncate(self._fd, size)  # O_DIRECT's padding, or the end of what the file held before
+                self._flushed = size
             os.fsync(self._fd)
             return size
         finally:

@@ -43,7 +43,8 @@ from zero3.checkpoint.same_layout import SameLayoutLoad
 from zero3.checkpoint.trust import CheckpointReader, VerifiedReader, load_engine_file
 from zero3.checkpoint.tags import (
     ENGINE_FILE, LATEST, METADATA, CheckpointError, FileSums, check_engine_file, check_tag, checksums, damage_error,
-    damaged, prune, publish, resolve, saved_checksum, staging_dir, write_engine_sum,
+    dcp_files,
+    damaged, new_staging_dir, prune, publish, resolve, saved_checksum, staging_dir, write_engine_sum,
     SAVED_WITH,
 )
 from zero3.comm import Communicator
@@ -249,8 +250,7 @@ def save(
     if engine.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging_dir(root, tag), ignore_errors=True)  # what an interrupted save of this tag left
-            staging_dir(root, tag).mkdir()
+            new_staging_dir(root, tag, comm.job_size)
         except OSError as error:
             problem = save_failure(error, root, 0)
     peers = CommGroup(comm, engine.protocol.scope.group)
@@ -334,6 +334,9 @@ class Write:
                 files: dict[str, FileSums] = dict(checksums([staged / METADATA], SAVED_WITH))
                 for _, found, _ in heard:
                     files.update(found)
+                for leftover in dcp_files(staged):  # a recycled file no rank wrote over (a larger world's)
+                    if leftover.name not in files:
+                        leftover.unlink()
                 temporary = staged / f".{ENGINE_FILE}.tmp"
                 torch.save(self.engine_state | {"files": files, "checksum": SAVED_WITH.name}, temporary)
                 write_engine_sum(temporary)
