@@ -465,7 +465,10 @@ def worker(job: Job) -> dict[str, Any]:
     losses: list[float] = []
     profiler = cProfile.Profile() if job.profile and rank == 0 else None
     tracer = _Breakdown() if job.breakdown and rank == 0 else None
+    cpu_at_start: list[int] | None = None
     for i in range(job.warmup + job.steps):
+        if i == job.warmup and rank == 0:
+            cpu_at_start = _machine_cpu_ticks()
         generator.manual_seed(_batch_seed(job.seed, i))
         x_all, y_all = sample_global_batch(tokens, job.model.block_size, rows * world, generator)
         x = x_all[rank * rows : (rank + 1) * rows].to(device)
@@ -492,6 +495,7 @@ def worker(job: Job) -> dict[str, Any]:
             times.append(elapsed)
         if i == 0:
             memory["first step"] = memory_snapshot()
+    cpu_split = _cpu_split(cpu_at_start, _machine_cpu_ticks()) if cpu_at_start is not None else None
     memory["last step"] = memory_snapshot()
     if sampler is not None:
         memory["sampled"] = sampler.stop()
@@ -516,7 +520,30 @@ def worker(job: Job) -> dict[str, Any]:
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "breakdown": breakdown,
         "memory": memory,
+        "cpu_split": cpu_split,
     }
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def _machine_cpu_ticks() -> list[int] | None:
+    """The whole machine's CPU time so far, by kind (Linux's /proc/stat); None elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1 : 1 + len(_CPU_FIELDS)]]
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_split(start: list[int] | None, end: list[int] | None) -> dict[str, float] | None:
+    """Each kind's share of the machine's CPU time between two readings. On a VM, `steal` is time the
+    hypervisor ran something else on this machine's CPUs (its own disk or network work among it)."""
+    if start is None or end is None:
+        return None
+    spent = [b - a for a, b in zip(start, end)]
+    total = sum(spent)
+    return {kind: ticks / total for kind, ticks in zip(_CPU_FIELDS, spent)} if total else None
 
 
 def _trace(job: Job, step: StepFn, tokens: torch.Tensor, device: torch.device, world: int) -> None:
@@ -742,6 +769,7 @@ def summarize(per_rank: dict[int, dict[str, Any]], tokens_per_step: int) -> dict
         "peak_device_bytes": peak_device if any(b is not None for b in peak_device) else None,
         "breakdown": ranks[0].get("breakdown"),
         "memory": [r.get("memory") for r in ranks],
+        "cpu_split": ranks[0].get("cpu_split"),
     }
 
 
@@ -752,6 +780,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     combined["run_medians_ms"] = [run["median_ms"] for run in runs]
     combined["peak_memory_bytes"] = statistics.median(_peak(run) for run in runs)
     combined["run_peaks_bytes"] = [_peak(run) for run in runs]
+    steals = [run["cpu_split"]["steal"] for run in runs if run.get("cpu_split")]
+    combined["steal_share"] = statistics.median(steals) if steals else None
     combined["runs"] = runs
     return combined
 
@@ -808,6 +838,11 @@ def print_report(results: dict[str, Any], console: Any) -> None:
     console.print(table)
     for note in notes:
         console.print(note, markup=False, highlight=False)
+    steals = {name: res["steal_share"] for name, res in results["engines"].items() if res.get("steal_share") is not None}
+    if any(share >= 0.005 for share in steals.values()):
+        console.print("CPU time the hypervisor took from this machine during the timed steps (steal, median over "
+                      "runs): " + ", ".join(f"{name} {100 * share:.1f}%" for name, share in steals.items()),
+                      markup=False, highlight=False)
     for key, ratio in results["ratios"].items():
         console.print(f"{key}: [bold]{ratio:.3f}[/bold]")
     for name, res in results["engines"].items():
