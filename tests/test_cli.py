@@ -196,7 +196,7 @@ def test_cli_train_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp
 
     save_dir = tmp_path / "ckpt"
     argv = ["train", "--nproc", "2", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-            "--micro-batch", "2", "--precision", "fp32", "--steps", "40", "--log-every", "40"]
+            "--micro-batch", "2", "--precision", "fp32", "--steps", "20", "--log-every", "20"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-c", "import sys, zero3.cli; sys.exit(zero3.cli.main(sys.argv[1:]))"]
