@@ -1106,7 +1106,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "checkpoint.async_save": (
         "zero3", "automatic saves write in the background: the step returns once the state is in host memory"),
     "checkpoint.keep_last": (
-        "zero3", "automatic saves keep the newest K complete tags; null: all"),
+        "zero3", "automatic saves keep the newest K complete tags (the next save writes over the oldest removed "
+        "one's files, kept in `dir/.recycled`); null: all"),
     "fault_tolerance": (
         "zero3", "this torchrun job is one replica group of a torchft job: the replicas' gradient average, each "
         "step's commit and a returning group's recovery from a healthy peer go through torchft "
