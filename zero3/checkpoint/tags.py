@@ -139,22 +139,7 @@ tag saved before item sums, and `.metadata`), and an item's as it reads the item
 
 @dataclass(frozen=True)
 class Checksum:
-    """One algorithm a tag's files are summed with (see [Note: recycled data files]
-Periodic saves write a tag's worth of data files every few steps, and
-`keep_last` removes as many. On a disk mounted with online discard (common on
-cloud VMs) and in most virtual disks, freeing a file's blocks and allocating
-new ones costs the host work that it takes from this VM's CPUs (measured here,
-both cores busy: 0.5 s of CPU stolen per GB unlinked). So `prune` keeps the
-oldest removed tag's directory as `save_dir/.recycled` (hidden: no load and no
-listing of tags sees it), and the next save starts from it: rank 0 renames it
-to the save's `.incomplete` directory, keeping only the data files this save's
-ranks write (by name), and each rank writes its file over the old one in place
-(`DirectFile` opens without truncating and cuts the file to what it wrote).
-Until the save is published the directory is incomplete like any other, so a
-crash leaves `latest` as it was. It costs one tag's files on disk beside the
-`keep_last` ones, which a save held anyway while it wrote the new tag.
-
-[Note: checksums])."""
+    """One algorithm a tag's files are summed with (see [Note: checksums])."""
 
     name: str
     of: Callable[[memoryview | bytes], int]  # a buffer's sum
