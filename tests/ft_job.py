@@ -11,7 +11,11 @@ starts applying a peer's state). `--alone-sleep S` makes a group that trains
 alone wait S seconds per step (so that a peer starting later, or killed, has
 time to join before the job ends). `--wait-for-group G` holds the first
 attempt's training until group G's ranks have built their engines (two groups
-that wait for each other ask for their first quorum together);
+that wait for each other ask for their first quorum together), and when G
+leaves (this group trains alone after a step shared with G's newest attempt),
+holds this group's next step until G's ranks have built again in a later
+attempt (up to a minute), so that a restart slowed by a loaded machine still
+finds this group training;
 `--join-after-group G` holds the first attempt, before it builds anything,
 until group G has recorded a step (this group joins behind it, by recovery). Each rank writes, per step, a
 JSON line to OUT/g<G>_r<rank>.jsonl: the step, the attempt, the loss, the
@@ -135,7 +139,17 @@ def built(out: Path, group: int, world: int) -> bool:
     """Every rank of `group` has built its engine. Two groups that wait for this of each other ask for their
     first quorum together, so a kill keyed to a step lands in a step both train (a group starting seconds
     later on a loaded machine would otherwise join by recovery, past the step its kill names)."""
-    return all((out / f"built_g{group}_r{rank}").exists() for rank in range(world))
+    return built_attempt(out, group, world) >= 0
+
+
+def built_attempt(out: Path, group: int, world: int) -> int:
+    """The newest torchrun attempt in which every rank of `group` has built its engine (-1: none yet)."""
+    attempts = []
+    for rank in range(world):
+        marker = out / f"built_g{group}_r{rank}"
+        text = marker.read_text().strip() if marker.exists() else ""
+        attempts.append(int(text) if text else -1)  # (empty: being written)
+    return min(attempts)
 
 
 def stepped(out: Path, group: int) -> bool:
@@ -179,7 +193,8 @@ def train(argv: list[str]) -> None:
         peer_state.load_state_dict = load_or_die  # type: ignore[method-assign]
         # (torchft holds the bound method it was given: replace it there too)
         engine.fault_tolerance.replicas.manager._load_state_dict_fns["zero3"] = load_or_die
-    (out / f"built_g{args.group}_r{rank}").touch()
+    (out / f"built_g{args.group}_r{rank}").write_text(str(attempt))
+    peer_attempt_seen = -1  # the awaited group's newest attempt when a step last had company
     if args.wait_for_group is not None and attempt == 0:
         wait_until(lambda: built(out, args.wait_for_group, world), f"group {args.wait_for_group}'s build")
     log = (out / f"g{args.group}_r{rank}.jsonl").open("a")
@@ -207,6 +222,19 @@ def train(argv: list[str]) -> None:
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
+        if args.wait_for_group is not None:
+            peer_attempt = built_attempt(out, args.wait_for_group, world)
+            if participants > 1:
+                peer_attempt_seen = peer_attempt
+            elif peer_attempt == peer_attempt_seen >= 0:
+                # The attempt that trained with this group is gone: hold until its restart has built (the
+                # ranks agree on this wait, as on `participants`). A minute at most, then train on alone.
+                try:
+                    wait_until(lambda: built_attempt(out, args.wait_for_group, world) > peer_attempt_seen,
+                               f"group {args.wait_for_group}'s restart", deadline_s=60.0)
+                except TimeoutError:
+                    pass
+                peer_attempt_seen = -1
         if participants == 1 and args.alone_sleep:
             time.sleep(args.alone_sleep)  # the peer is away: give it time to come
     log.close()
