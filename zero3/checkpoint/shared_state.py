@@ -23,8 +23,9 @@ load or repair of its states; and a moved buffer's own `write_range`, which
 the accessors of frozen parameters write through). A step follows a save by a forward and a
 backward, so the write has that long before anyone waits.
 
-A buffer that leaves the segment (`offload_states`, a load that swaps
-buffers) is copied at each save again until the next save moves it back in;
+A buffer that leaves the segment (`offload_states`, or anything else that
+gives it new memory; a load copies into it in place) is copied at each save
+again until the next save moves it back in;
 once no buffer is left in it, the segment is freed, so parking the state
 frees its memory. Memory that is pinned (beside a CUDA device), on the
 device, or on disk is never moved: those saves stage as before.
