@@ -272,3 +272,71 @@ def test_an_items_records_are_found_as_zipfile_finds_them(tmp_path: Path) -> Non
         assert _entries(other) is None
         assert {name: bytes(data) for name, data in _records(other).items()} == \
             {name: bytes(data) for name, data in _records(raw).items()}
+
+
+def test_an_engine_file_of_plain_values_is_read_without_torchs_python_unpickler(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors, plain containers, numbers and strings (an engine file's whole vocabulary) are read by the C
+    unpickler under the items' allowlist, equal to what torch.load(weights_only=True) reads; anything else
+    (a class the user registered) still goes to torch's reader, which honours the registration."""
+    from collections import OrderedDict
+
+    from zero3.checkpoint.trust import load_engine_file
+
+    state = {"format": 1, "rank_states": [{"cpu": torch.get_rng_state(), "seed": 3}] * 2,
+             "files": {"__0_0.distcp": (123, {0: (10, 2**63 + 5), 10: (7, 1)})}, "lr": [1e-3, 0.5],
+             "loss_scaler": OrderedDict(scale=2.0**16), "view": torch.arange(12.0).view(3, 4)[1:, ::2],
+             "shared": (torch.ones(2), None, True, "text", 2.5)}
+    file = tmp_path / "zero3_engine.pt"
+    torch.save(state, file)
+    expected = torch.load(file, weights_only=True)
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("read by torch.load"))
+    read = load_engine_file(file)
+    assert read.keys() == expected.keys()
+    for key in ("format", "files", "lr", "loss_scaler"):
+        assert read[key] == expected[key], key
+    assert isinstance(read["loss_scaler"], OrderedDict)
+    for mine, theirs in ((read["view"], expected["view"]), (read["rank_states"][1]["cpu"], expected["rank_states"][1]["cpu"])):
+        assert (mine.dtype, mine.shape, mine.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+        assert torch.equal(mine, theirs)
+    assert read["shared"][1:] == expected["shared"][1:] and torch.equal(read["shared"][0], expected["shared"][0])
+
+    monkeypatch.setattr(torch, "load", real_load)
+    torch.save({"format": 1, "client": Epoch(7)}, file)
+    with pytest.raises(zero3.CheckpointError, match="Epoch"):
+        load_engine_file(file)  # not plain: torch's reader refuses it
+    with torch.serialization.safe_globals([Epoch]):
+        assert load_engine_file(file)["client"].value == 7
+
+
+def test_items_with_one_pickle_are_unpickled_once_and_read_as_torch_load_reads_each(tmp_path: Path) -> None:
+    """A rank's items of one dtype and shape share their pickle: the first is unpickled and its recipe kept,
+    the rest are that view of their own records, each equal to torch.load's reading of it."""
+    from zero3.checkpoint import trust
+    from zero3.checkpoint.tags import mapped
+
+    tensors = {f"w{i}": torch.randn(6, 5) * i for i in range(4)}
+    tensors |= {"t": torch.randn(5, 6).t(), "b": torch.randn(6, 5).bfloat16()}
+    file, spans = items_file(tmp_path, tensors)
+    view = mapped(file)
+    trust._RECIPES.clear()
+    unpickled = 0
+    real_load = trust._ItemUnpickler.load_tensor
+
+    def counted(self):  # type: ignore[no-untyped-def]
+        nonlocal unpickled
+        unpickled += 1
+        return real_load(self)
+
+    trust._ItemUnpickler.load_tensor = counted  # type: ignore[method-assign]
+    try:
+        for name, (start, end) in spans.items():
+            read = trust.tensor_item(view[start:end], file, name)
+            expected = torch.load(io.BytesIO(view[start:end].tobytes()), weights_only=True)
+            assert (read.dtype, read.shape, read.stride()) == (expected.dtype, expected.shape, expected.stride()), name
+            assert torch.equal(read, expected), name
+    finally:
+        trust._ItemUnpickler.load_tensor = real_load  # type: ignore[method-assign]
+    assert unpickled == 3  # w0 (w1-w3 by its recipe), t (another stride), b (another dtype)
+    assert len(trust._RECIPES) == 3
