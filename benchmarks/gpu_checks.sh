@@ -20,6 +20,9 @@
 #   hf       the Trainer example on CUDA (torchrun, 1 GPU: nccl), resumed; hf_trainer.py, zero3 vs DDP,
 #            FSDP2 (accelerate's own) and DeepSpeed
 #   quantize ZeRO++'s block quantize / dequantize throughput beside a device copy's (goal: half of it)
+#   ckptcpu  issue 39's every-step async checkpoint overhead (6 x 512 GPT, 2 CPU ranks: checkpoint.py
+#            --overhead) on a host with cores to spare for the writer and the disk (on the 2-core CI
+#            machine both cores train, and 228 MB a step costs CPU they do not have: docs/benchmarks.md)
 # ENGINES picks the step_time engines (default ddp,zero3,fsdp2, plus deepspeed when it imports and DS=1:
 # its fused Adam is compiled on first use, which costs a minute of device time).
 # The log goes to $OUT/all.log (or /tmp/gpu_checks) and, after every phase, the JSON results and
@@ -99,6 +102,10 @@ for phase in "$@"; do
       timeout "$(limit quantize 60)" python3 benchmarks/quantize_throughput.py --device cuda \
         --json "$work/quantize_cuda.json" > "$work/quantize.log" 2>&1
       echo "rc $?"; tail -8 "$work/quantize.log" ;;
+    ckptcpu)
+      timeout "$(limit ckptcpu 240)" python3 benchmarks/checkpoint.py --overhead --rounds "${ROUNDS:-2}" --steps 10 \
+        --out "$work/ckpt_overhead_cpu.json" > "$work/ckptcpu.log" 2>&1
+      echo "rc $?"; tail -14 "$work/ckptcpu.log" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   pack
