@@ -48,12 +48,6 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {base}..{base + _PORTS_PER_WORKER}")
 
 
-def port_listens(port: int) -> bool:
-    """Whether a process accepts connections on 127.0.0.1:`port`."""
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 # Hugging Face's Trainer and TRL's trainers too: the ranks of the tests that use them spent about 6 s each
 # importing them (a module that is not installed is skipped by the server).
 multiprocessing.set_forkserver_preload([
