@@ -214,16 +214,18 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "bytes": sizes, "cpu": cpu}
 
 
-def launch(args: dict[str, Any]) -> dict[int, dict[str, Any]]:
+def launch(args: dict[str, Any], entry: Callable[[dict[str, Any]], dict[str, Any]] = worker,
+           name: str = "ckpt") -> dict[int, dict[str, Any]]:
+    """`entry(args)` on two ranks (torch's elastic launcher, gloo); each rank's result, by rank."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        run_id=f"ckpt-{uuid.uuid4().hex[:8]}", max_restarts=0, monitor_interval=0.2,
-        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="zero3-ckpt-bench-"), redirects={1: Std.ALL}),
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}", max_restarts=0, monitor_interval=0.2,
+        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix=f"zero3-{name}-bench-"), redirects={1: Std.ALL}),
     )
-    return elastic_launch(config, worker)(args)
+    return elastic_launch(config, entry)(args)
 
 
 def main(argv: list[str] | None = None) -> int:

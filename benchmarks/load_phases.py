@@ -31,22 +31,19 @@ whole load, each rank's own for the marks), and plain ``torch.load``'s time.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import platform
 import shutil
 import statistics
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import MIB, batch, drop_cache, model_config  # benchmarks/checkpoint.py, beside this script
+from checkpoint import MIB, batch, drop_cache, launch, model_config  # benchmarks/checkpoint.py, beside this script
 from zero3.models.gpt import GPT, GPTConfig
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -145,18 +142,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return {"loads": loads, "plain_s": plain_s}
 
 
-def launch(args: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        run_id=f"load-phases-{uuid.uuid4().hex[:8]}", max_restarts=0, monitor_interval=0.2,
-        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="zero3-load-phases-"), redirects={1: Std.ALL}),
-    )
-    return elastic_launch(config, worker)(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state-mib", type=float, default=512.0)
@@ -173,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     job = {"dir": str(root), "repeats": args.repeats, "model": {
         "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "n_layer": cfg.n_layer,
         "n_head": cfg.n_head, "n_embd": cfg.n_embd}}
-    results = launch(job)
+    results = launch(job, worker, "load-phases")
     ranks = sorted(results)
     whole = [max(results[r]["loads"][i]["returned"] for r in ranks) for i in range(args.repeats)]
     plain = [max(results[r]["plain_s"][i] for r in ranks) for i in range(args.repeats)]
@@ -186,15 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nzero3 load, slowest rank: median {statistics.median(whole):.3f} s ({', '.join(f'{s:.3f}' for s in whole)})")
     print(f"plain torch.load, slowest rank: median {statistics.median(plain):.3f} s ({', '.join(f'{s:.3f}' for s in plain)})")
     print(f"plain / zero3, of the medians: {ratio:.2f}")
-    from provenance import provenance  # benchmarks/provenance.py, beside this script
+    from provenance import write_run  # benchmarks/provenance.py, beside this script
 
-    out = {"benchmark": "load_phases", "provenance": provenance(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-           "torch": torch.__version__, "parameters": params, "marks_median_s": marks, "zero3_load_s": whole,
-           "plain_load_s": plain, "plain_over_zero3": ratio, "args": {k: str(v) for k, v in vars(args).items()}}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json}")
+    write_run(args.json, "load_phases", args, host=platform.node(), parameters=params, marks_median_s=marks,
+              zero3_load_s=whole, plain_load_s=plain, plain_over_zero3=ratio)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     return 0
