@@ -106,24 +106,11 @@ def batch(cfg: GPTConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, idx
 
 
-def worker(args: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def stepped_engine(cfg: GPTConfig, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """zero3's engine of `cfg` after one AdamW step (seed 0), and this rank's checkpointed state as plain
+    tensors: the masters (the fp32 shards themselves where there is no hp_params buffer:
+    zero3.runtime.optimizer's [Note: masters that are the shards]) and both moments, the same bytes."""
     import zero3
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    root = Path(args["dir"])
-    cfg = GPTConfig(**args["model"])
-    rows: dict[str, list[float]] = {k: [] for k in (
-        "zero3 save", "zero3 async (blocked)", "zero3 async (until written)", "zero3 load",
-        "plain save", "plain load", "fsdp2 + dcp save", "fsdp2 + dcp load")}
-    sizes: dict[str, int] = {}
-    cpu: dict[str, list[float]] = {"zero3 load": [], "plain load": []}
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3}}
@@ -136,10 +123,29 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     engine.step()
     opt = engine.optimizer
     assert opt is not None
-    # The same bytes as zero3's: the masters (the fp32 shards themselves where there is no hp_params
-    # buffer: zero3.runtime.optimizer's [Note: masters that are the shards]) and both moments.
     masters = opt.hp_params if opt.hp_params is not None else next(iter(opt.masters.values())).hp.buffer
-    flat = {"hp": masters.tensor, **{k: v.tensor for k, v in opt.moments.items()}}
+    return engine, {"hp": masters.tensor, **{k: v.tensor for k, v in opt.moments.items()}}
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = Path(args["dir"])
+    cfg = GPTConfig(**args["model"])
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "zero3 save", "zero3 async (blocked)", "zero3 async (until written)", "zero3 load",
+        "plain save", "plain load", "fsdp2 + dcp save", "fsdp2 + dcp load")}
+    sizes: dict[str, int] = {}
+    cpu: dict[str, list[float]] = {"zero3 load": [], "plain load": []}
+
+    engine, flat = stepped_engine(cfg, rank)
+    x, y = batch(cfg, rank)
 
     torch.manual_seed(0)
     fsdp_model = GPT(cfg)

@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from checkpoint import MIB, batch, drop_cache, launch, model_config  # benchmarks/checkpoint.py, beside this script
-from zero3.models.gpt import GPT, GPTConfig
+from checkpoint import MIB, drop_cache, launch, model_config, stepped_engine  # benchmarks/checkpoint.py, beside this script
+from zero3.models.gpt import GPTConfig
 
 _REPO = Path(__file__).resolve().parent.parent
 _DEFAULT_OUT = _REPO / "benchmarks" / "results" / "load_phases.json"
@@ -78,7 +78,6 @@ class Marks:
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
-    import zero3
     import zero3.checkpoint.read_ahead as read_ahead
     import zero3.checkpoint.state as checkpoint_state
     from zero3.checkpoint.same_layout import SameLayoutLoad
@@ -88,19 +87,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     root = Path(args["dir"])
     cfg = GPTConfig(**args["model"])
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 3}}
-    torch.manual_seed(0)
-    with zero3.Init(config=config, device="cpu"):
-        model = GPT(cfg)
-    engine, *_ = zero3.initialize(model=model, config=config, device="cpu")
-    x, y = batch(cfg, rank)
-    engine.backward(engine(x, y)["loss"])
-    engine.step()
-    opt = engine.optimizer
-    assert opt is not None
-    masters = opt.hp_params if opt.hp_params is not None else next(iter(opt.masters.values())).hp.buffer
-    flat = {"hp": masters.tensor, **{k: v.tensor for k, v in opt.moments.items()}}  # checkpoint.py's same bytes
+    engine, flat = stepped_engine(cfg, rank)  # checkpoint.py's engine and same bytes
 
     marks = Marks()
     marks.at_end(checkpoint_state, "_check", "checked")
