@@ -309,10 +309,10 @@ def _plain_contents(data: bytearray) -> Any:
     (torch's weights-only reader then reads it, and names what it refuses). torch's own weights-only
     unpickler runs in Python: about 10 ms for an engine file of 2 ranks' sums, on every rank, per load."""
     try:
-        unpickler = _ItemUnpickler(_records(memoryview(data)))
-        if not unpickler.native_byte_order():
+        records = _records(memoryview(data))
+        if not _native_byte_order(records):
             return _NOT_PLAIN
-        return unpickler.load()
+        return _ItemUnpickler(records).load()
     except Exception:  # noqa: BLE001 - torch's reader reads it, and reports what is wrong
         return _NOT_PLAIN
 
@@ -346,9 +346,9 @@ def tensor_item(raw: memoryview, file: Path, what: str) -> torch.Tensor:
         records = _records(raw)
         pickled = bytes(records["data.pkl"])
         recipe = _RECIPES.get(pickled)
-        unpickler = _ItemUnpickler(records)
-        if recipe is not None and unpickler.native_byte_order():
+        if recipe is not None and _native_byte_order(records):
             return recipe.tensor(records)
+        unpickler = _ItemUnpickler(records)
         tensor = unpickler.load_tensor()
         if tensor is not None:
             if (recipe := unpickler.recipe(tensor)) is not None:
@@ -460,15 +460,10 @@ class _ItemUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(records["data.pkl"]))
         self._records = records
         self._storages: list[tuple[torch.Tensor, str, torch.dtype, int]] = []  # (storage, key, dtype, numel)
-        self._rebuilt: list[tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = []
-
-    def native_byte_order(self) -> bool:
-        byteorder = self._records.get("byteorder")
-        return byteorder is None or bytes(byteorder).decode() == sys.byteorder
 
     def load_tensor(self) -> torch.Tensor | None:
         """The tensor, or None where it is anything else than a plain dense one in this machine's byte order."""
-        if not self.native_byte_order():
+        if not _native_byte_order(self._records):
             return None
         try:
             tensor = self.load()
@@ -479,17 +474,16 @@ class _ItemUnpickler(pickle.Unpickler):
     def recipe(self, tensor: torch.Tensor) -> _Recipe | None:
         """How `load_tensor` made `tensor`, where it was one view of one storage (then any item with the same
         pickle is that view of its own record)."""
-        if len(self._storages) != 1 or len(self._rebuilt) != 1:
+        if len(self._storages) != 1:
             return None
         storage, key, dtype, numel = self._storages[0]
-        result, source, offset, size, stride = self._rebuilt[0]
-        if result is not tensor or source is not storage:
+        if tensor.untyped_storage().data_ptr() != storage.untyped_storage().data_ptr():
             return None
-        return _Recipe(key, dtype, numel, offset, size, stride)
+        return _Recipe(key, dtype, numel, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return self._rebuild_tensor
+            return _rebuild_tensor
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         if (module, name) == ("collections", "OrderedDict"):
@@ -507,15 +501,20 @@ class _ItemUnpickler(pickle.Unpickler):
         self._storages.append((storage, str(key), dtype, numel))
         return storage
 
-    def _rebuild_tensor(
-        self, storage: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-        requires_grad: bool, hooks: Any, metadata: Any = None,
-    ) -> torch.Tensor:
-        if hooks or metadata:
-            raise _NotPlain
-        tensor = storage.as_strided(size, stride, offset)
-        self._rebuilt.append((tensor, storage, offset, tuple(size), tuple(stride)))
-        return tensor
+
+def _rebuild_tensor(
+    storage: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+    hooks: Any, metadata: Any = None,
+) -> torch.Tensor:
+    if hooks or metadata:
+        raise _NotPlain
+    return storage.as_strided(size, stride, offset)
+
+
+def _native_byte_order(records: Mapping[str, memoryview]) -> bool:
+    """Whether a `torch.save` archive's numbers are in this machine's byte order (no record: they are)."""
+    byteorder = records.get("byteorder")
+    return byteorder is None or bytes(byteorder).decode() == sys.byteorder
 
 
 def _storage(record: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
