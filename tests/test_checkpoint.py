@@ -249,6 +249,18 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path
 
 
 def keep_and_mark(rank: int, world: int, root: str) -> dict:
+    import time
+
+    import zero3.checkpoint.state as checkpoint_state
+
+    if rank == 0:  # rank 0 prunes slowly: the other ranks' saves must still return only once it has pruned
+        real_prune = checkpoint_state.prune
+
+        def slow_prune(*args: Any) -> list[str]:
+            time.sleep(0.3)
+            return real_prune(*args)
+
+        checkpoint_state.prune = slow_prune
     engine = build("fp32", root)
     seen = {}
     for index, batch in enumerate(data()[:4]):
@@ -266,10 +278,11 @@ def keep_and_mark(rank: int, world: int, root: str) -> dict:
 
 
 def test_keep_last_removes_older_tags_only_after_the_new_one_is_complete(tmp_path: Path) -> None:
-    (seen, _) = run_ranks(2, keep_and_mark, str(tmp_path))
+    seen, seen_by_rank_1 = run_ranks(2, keep_and_mark, str(tmp_path))
     assert seen["t0"] == ["latest", "t0"]
     assert seen["t1"] == ["latest", "t0", "t1"]
     assert seen["t3"] == ["latest", "t2", "t3"]
+    assert seen_by_rank_1 == seen  # a save returns on every rank once rank 0 has pruned
     assert seen["side"] == "t3"  # save_latest=False leaves the marker alone
     assert "'../escape'" in seen["bad_tag"]
 

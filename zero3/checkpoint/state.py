@@ -344,13 +344,24 @@ class Write:
                 publish(self.root, self.tag, self.save_latest)
             except Exception as error:  # noqa: BLE001 - told to every rank below
                 problem = save_failure(error, staged, 0)
+            if problem is None and self.keep_last is not None:
+                self._prune()  # before the agreement: a save that returned, on any rank, has pruned
         _agree(peers, peers.all_gather_objects(problem), self.root, self.tag, self.rank)
         repeat_saves.remember(key, last, state_layout, planner, writer, metadata, self.rank)
-        if self.rank == 0 and self.keep_last is not None:
-            removed = prune(self.root, self.keep_last, self.tag)
-            if removed:
-                log.info("checkpoint: removed tags %s (keep_last=%d)", removed, self.keep_last)
         return self.root / self.tag
+
+    def _prune(self) -> None:
+        """Rank 0: the tags beyond `keep_last` removed, once this one is published. A failure to remove one
+        leaves it, with a warning: the tag just saved is complete, and the next save prunes again."""
+        assert self.keep_last is not None
+        try:
+            removed = prune(self.root, self.keep_last, self.tag)
+        except OSError as error:
+            log.warning("checkpoint: tag %r was saved, but the tags beyond keep_last=%d could not all be removed "
+                        "from %r (%s); the next save tries again", self.tag, self.keep_last, str(self.root), error)
+            return
+        if removed:
+            log.info("checkpoint: removed tags %s (keep_last=%d)", removed, self.keep_last)
 
 
 def grouped(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
