@@ -7,6 +7,7 @@ losses match.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -269,20 +270,39 @@ def keep_and_mark(rank: int, world: int, root: str) -> dict:
         seen[f"t{index}"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
     engine.save_checkpoint(root, tag="side", save_latest=False)
     seen["side"] = open(os.path.join(root, "latest")).read()
+    if rank == 0:  # an old tag that cannot be removed: the new one is saved all the same, with a warning
+
+        def refusing_prune(save_dir: Any, *args: Any) -> list[str]:
+            raise PermissionError(13, "Permission denied", os.path.join(save_dir, "t2"))
+
+        checkpoint_state.prune = refusing_prune
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zero3").addHandler(handler)
+    engine.save_checkpoint(root, tag="t4", keep_last=2)
+    logging.getLogger("zero3").removeHandler(handler)
+    seen["t4"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
+    seen["latest_after_t4"] = open(os.path.join(root, "latest")).read()
+    warned = [line for line in warnings if "could not all be removed" in line]
     try:
         engine.save_checkpoint(root, tag="../escape")
     except zero3.CheckpointError as error:
         seen["bad_tag"] = str(error)
     engine.destroy()
-    return seen
+    return {"seen": seen, "warned": warned}
 
 
 def test_keep_last_removes_older_tags_only_after_the_new_one_is_complete(tmp_path: Path) -> None:
-    seen, seen_by_rank_1 = run_ranks(2, keep_and_mark, str(tmp_path))
+    rank_0, rank_1 = run_ranks(2, keep_and_mark, str(tmp_path))
+    seen = rank_0["seen"]
     assert seen["t0"] == ["latest", "t0"]
     assert seen["t1"] == ["latest", "t0", "t1"]
     assert seen["t3"] == ["latest", "t2", "t3"]
-    assert seen_by_rank_1 == seen  # a save returns on every rank once rank 0 has pruned
+    assert rank_1["seen"] == seen  # a save returns on every rank once rank 0 has pruned
+    assert seen["t4"] == ["latest", "side", "t2", "t3", "t4"] and seen["latest_after_t4"] == "t4"
+    assert len(rank_0["warned"]) == 1 and "'t4' was saved" in rank_0["warned"][0] and "t2" in rank_0["warned"][0]
+    assert rank_1["warned"] == []
     assert seen["side"] == "t3"  # save_latest=False leaves the marker alone
     assert "'../escape'" in seen["bad_tag"]
 
