@@ -20,6 +20,7 @@ import zero3
 from tests import models
 from tests.devices import cpu_ranks_or_one_gpu, worlds_on_devices
 from tests.distributed import run_ranks
+from tests.logs import zero3_messages
 
 STEPS = 6
 SAVED_AT = 3
@@ -276,12 +277,8 @@ def keep_and_mark(rank: int, world: int, root: str) -> dict:
             raise PermissionError(13, "Permission denied", os.path.join(save_dir, "t2"))
 
         checkpoint_state.prune = refusing_prune
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero3").addHandler(handler)
+    warnings = zero3_messages(logging.WARNING)
     engine.save_checkpoint(root, tag="t4", keep_last=2)
-    logging.getLogger("zero3").removeHandler(handler)
     seen["t4"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
     seen["latest_after_t4"] = open(os.path.join(root, "latest")).read()
     warned = [line for line in warnings if "could not all be removed" in line]

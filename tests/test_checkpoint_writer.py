@@ -9,7 +9,6 @@ a thread instead, and the save still works.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import zero3
 from tests import models
 from tests.distributed import children_of, run_ranks, script_env
+from tests.logs import zero3_messages
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -110,10 +110,7 @@ def thread_written(rank: int, world: int, root: str, why: str) -> dict:
         assert libc.unshare(0x00020000) == 0, os.strerror(ctypes.get_errno())  # CLONE_NEWNS: this rank alone
         for command in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", "/dev/shm"]):
             subprocess.run(command, check=True, capture_output=True)
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero3").addHandler(handler)
+    warnings = zero3_messages()
     torch.manual_seed(0)
     engine = zero3.initialize(model=models.TiedTransformer(), config=CONFIG)[0]
     step(engine, rank, world, 0)

@@ -20,6 +20,7 @@ import zero3
 from tests import models
 from tests.devices import ON_DEVICES, cpu_ranks_or_one_gpu
 from tests.distributed import run_ranks
+from tests.logs import zero3_messages
 from zero3 import OffloadStateType
 
 WORLD = 2
@@ -299,10 +300,7 @@ def misuse(rank: int, world: int, root: str) -> dict:
 
     import zero3.offload.disk as disk
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero3").addHandler(handler)
+    records = zero3_messages()
     logging.getLogger("zero3").setLevel(logging.INFO)
 
     engine, model = build(rank, world)
