@@ -288,6 +288,44 @@ def test_a_disk_offload_frees_memory_before_it_returns_and_reload_makes_no_new_b
     assert result["late"] == 0
 
 
+def bare_gradients(rank: int, world: int, root: str) -> dict:
+    """At 2 CPU ranks the gradient shards are made by the backward and dropped at the step: between steps
+    lp_grads holds no bytes, yet it has a place, and offloading it is an offload like any other."""
+    engine, model = build(rank, world)
+    data = models.batches("x8", 3, 4 * world)
+    micro_step(engine, data[0], rank, world)
+    engine.step()
+    seen: dict = {"between_steps": devices(engine)["lp_grads"], "bytes": engine.model_state_bytes()["lp_grads"],
+                  "report": dict(engine.state_report())["lp_grads"]}
+    for target in ("nvme", "cpu"):
+        engine.offload_states(include=["lp_grads"], device=target, nvme_path=root)
+        seen[target] = {"devices": devices(engine)["lp_grads"], "report": dict(engine.state_report())["lp_grads"]}
+        try:
+            micro_step(engine, data[1], rank, world)
+            seen[target]["backward"] = "ran"
+        except zero3.StateOffloadedError as error:
+            seen[target]["backward"] = str(error)
+        engine.reload_states()
+        seen[target]["back"] = devices(engine)["lp_grads"]
+    micro_step(engine, data[2], rank, world)
+    engine.step()  # training goes on
+    engine.destroy()
+    return seen
+
+
+def test_gradients_made_on_demand_live_on_their_device_between_steps_and_offload_like_any_state(
+    tmp_path: Path,
+) -> None:
+    for seen in run_ranks(WORLD, bare_gradients, str(tmp_path)):
+        assert seen["bytes"] == 0, seen  # made on demand: none between steps
+        assert seen["between_steps"] == {"cpu"} and seen["report"] == {"cpu": 0}, seen
+        assert seen["nvme"]["devices"] == {"meta"} and seen["nvme"]["report"] == {"nvme": 0}, seen
+        assert "lp_grads" in seen["nvme"]["backward"] and "reload_states" in seen["nvme"]["backward"], seen
+        # Offloading to the host on a CPU engine moves nothing and leaves it in place (as for every state).
+        assert seen["cpu"]["devices"] == {"cpu"} and seen["cpu"]["backward"] == "ran", seen
+        assert seen["nvme"]["back"] == seen["cpu"]["back"] == {"cpu"}, seen
+
+
 # ---- misuse ------------------------------------------------------------------------------------
 def _limit_file_size(limit: int) -> None:
     import resource

@@ -11,6 +11,18 @@ write fails, the files are removed and every state stays where it was. With
 memory is released by the thread that completes the last write, a reader of
 a buffer in the meantime waits for the writes, and a failed background write
 is reported at the next call (`settle`) with the states left in memory.
+
+[Note: states that hold no memory now]
+Some states hold no bytes between steps: gradient shards made on demand
+(lean memory mode, a CPU device at several ranks) exist only from a backward
+to its step. Such a state still has a place, the device its shards are made
+on, and that is what `get_state_devices` says (DeepSpeed's test, and a
+user's "is every state back?", read the answer as where the state lives;
+the empty set is for the scratch bucket an offload freed). Offloading it
+moves no bytes, but it is recorded as offloaded all the same: it reports
+the offload's device (`meta` for disk), the engine refuses a backward until
+`reload_states()`, as it does for a state with bytes, so a CPU engine and a
+device engine say and do the same.
 """
 
 from __future__ import annotations
@@ -88,9 +100,15 @@ class StateOffloader:
         scratch: ScratchOwner,
         default_disk_root: str | None,
         held_by: dict[OffloadStateType, OffloadStateType] | None = None,
+        home_of: Callable[[OffloadStateType], torch.device | None] = lambda state: None,
     ) -> None:
         self.device = device
         self._buffers = buffers
+        # Where a state that holds no memory now would have it (None: a state the engine does not have).
+        self._home_of = home_of
+        # States offloaded while they held no memory ([Note: states that hold no memory now]): the device
+        # they report, and the call's background writes (if those fail, the state was never offloaded).
+        self._bare: dict[OffloadStateType, tuple[torch.device, Transfer | None]] = {}
         # States with no bytes of their own, held by another's buffers (an fp32 engine's masters are its
         # shards: hp_params in lp_params): they are where their holder is, and move with it.
         self._held_by = held_by or {}
@@ -109,7 +127,7 @@ class StateOffloader:
         """States away from the device (host, disk, or freed), in API order."""
         return [
             state for state in OffloadStateType
-            if state in self._parked or (state is SCRATCH and self._scratch_freed)
+            if state in self._parked or state in self._bare or (state is SCRATCH and self._scratch_freed)
             or self._held_by.get(state) in self._parked
         ]
 
@@ -128,7 +146,17 @@ class StateOffloader:
     def devices(self, state: OffloadStateType) -> set[torch.device]:
         """Where `state` rests: moves in flight are waited for first."""
         self.settle()
-        return {buffer.device for buffer in self._held(self._held_by.get(state, state))}
+        held = self._held(self._held_by.get(state, state))
+        if held or state is SCRATCH:
+            return {buffer.device for buffer in held}
+        place = self._bare_place(state)
+        return {place} if place is not None else set()
+
+    def _bare_place(self, state: OffloadStateType) -> torch.device | None:
+        """Where a state that holds no memory is ([Note: states that hold no memory now])."""
+        if state in self._bare:
+            return self._bare[state][0]
+        return self._home_of(state)
 
     def report(self) -> StateReport:
         self.settle()
@@ -138,10 +166,15 @@ class StateOffloader:
             where: dict[str, int] = {}
             home: dict[str, int] = {}
             own = state not in self._held_by  # a held state is where its holder is, with no bytes of its own
-            for buffer in self._held(self._held_by.get(state, state)):
+            held = self._held(self._held_by.get(state, state))
+            for buffer in held:
                 key = "nvme" if buffer.parked else str(buffer.device)
                 where[key] = where.get(key, 0) + (buffer.nbytes if own else 0)
                 home[buffer.home] = home.get(buffer.home, 0) + (buffer.nbytes if own else 0)
+            place, resting = self._bare_place(state), self._home_of(state)
+            if not held and state is not SCRATCH and place is not None and resting is not None:
+                where["nvme" if place.type == "meta" else str(place)] = 0
+                home[str(resting)] = 0
             entries[state.value] = where
             homes[state.value] = home
         directory = str(self.disk.directory) if self.disk.directory is not None else None
@@ -193,6 +226,7 @@ class StateOffloader:
         moving: dict[OffloadStateType, list[FlatBuffer]] = {}
         in_place: list[OffloadStateType] = []
         on_disk: list[OffloadStateType] = []
+        bare: list[OffloadStateType] = []
         for state in states:
             if state is SCRATCH or state in away:
                 continue
@@ -201,6 +235,9 @@ class StateOffloader:
             if not buffers:
                 if self._buffers(state):
                     on_disk.append(state)
+                elif (home := self._home_of(state)) is not None:
+                    # Nothing to move ([Note: states that hold no memory now]); in place on a CPU engine.
+                    (in_place if target is OffloadDevice.cpu and home.type == "cpu" else bare).append(state)
                 continue
             if target is OffloadDevice.cpu and all(b.device.type == "cpu" for b in buffers):
                 in_place.append(state)  # a CPU engine's states already live in host memory
@@ -234,7 +271,11 @@ class StateOffloader:
                 time.perf_counter() - started,
                 ", writes finishing in the background" if non_blocking and target is OffloadDevice.nvme else "",
             )
-        # Last, so a failed write leaves the scratch bucket where it was too.
+        # Last, so a failed write leaves these where they were too.
+        for state in bare:
+            self._bare[state] = (torch.device("cpu") if target is OffloadDevice.cpu else torch.device("meta"), writes)
+        if bare:
+            log.info("offload_states: %s hold no memory now; offloaded with nothing to move", _names(bare))
         if free_scratch:
             existed = self._scratch.scratch is not None  # made at the first backward: none before it
             freed = self._scratch.scratch.nbytes if existed else 0
@@ -307,6 +348,11 @@ class StateOffloader:
             self._scratch.allocate_scratch()  # the failed call is undone whole
             self._scratch_freed = False
         self._scratch_freed_with = None  # every write has ended
+        for state, (place, writes) in list(self._bare.items()):
+            if writes is not None and any(writes is failed for failed in failed_writes):
+                del self._bare[state]  # the failed call is undone whole
+            else:
+                self._bare[state] = (place, None)
         for state in list(self._loading):
             self._finish_loading(state)
         self.disk.finish_removals()
@@ -323,18 +369,21 @@ class StateOffloader:
     # ---- reload ---------------------------------------------------------------
     def mark(self) -> tuple[set[OffloadStateType], bool]:
         """What is offloaded now, for `undo`."""
-        return set(self._parked), self._scratch_freed
+        return set(self._parked) | set(self._bare), self._scratch_freed
 
     def undo(self, mark: tuple[set[OffloadStateType], bool]) -> None:
         """Bring back what was offloaded since `mark` (another rank's offload failed: none keeps it)."""
         parked, scratch_freed = mark
-        self.reload(False, only=set(self._parked) - parked, scratch=not scratch_freed)
+        self.reload(False, only=(set(self._parked) | set(self._bare)) - parked, scratch=not scratch_freed)
 
     def reload(self, non_blocking: bool, only: set[OffloadStateType] | None = None, scratch: bool = True) -> None:
         self.settle()
         started = time.perf_counter()
         states = [state for state in self._parked if only is None or state in only]
         nbytes = sum(entry.buffer.nbytes for state in states for entry in self._parked[state])
+        bare = [state for state in self._bare if only is None or state in only]
+        for state in bare:
+            del self._bare[state]  # nothing to bring back: its shards are made where they were again
         errors: list[OffloadIOError] = []
         for state in states:
             entries = self._parked.pop(state)
@@ -357,9 +406,9 @@ class StateOffloader:
             self._scratch_freed = False
         if errors:
             raise errors[0]
-        if states or recreated:
+        if states or bare or recreated:
             log.info(
-                "reload_states: %s (%s)%s in %.3f s%s", _names(states) or "nothing else", _mib(nbytes),
+                "reload_states: %s (%s)%s in %.3f s%s", _names([*states, *bare]) or "nothing else", _mib(nbytes),
                 ", contiguous_grad_buffer recreated" if recreated else "", time.perf_counter() - started,
                 ", reads finishing in the background" if non_blocking and states else "",
             )
@@ -431,6 +480,7 @@ class StateOffloader:
                     entry.file.remove()
         self._parked.clear()
         self._loading.clear()
+        self._bare.clear()
         self.disk.finish_removals()
 
 

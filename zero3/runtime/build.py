@@ -43,7 +43,7 @@ from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.lean import go_lean, in_effect as lean_in_effect, lean_units
 from zero3.partition.leaf_modules import mark_leaves
 from zero3.partition.partitioner import partition_model
-from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
+from zero3.partition.sharded_param import ATTR, ShardedParam, mark_released, sharded
 from zero3.topology import ShardMesh
 from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
@@ -152,6 +152,7 @@ class EngineParts:
             param_dict.uninstall(module)
         for sp in self.sharded_params:
             sp.param.data = torch.empty(0, dtype=sp.dtype, device=self.device)
+            mark_released(sp.param)
             if hasattr(sp.param, ATTR):
                 delattr(sp.param, ATTR)
             ds_attributes.take_off(sp.param)
@@ -266,6 +267,7 @@ def build(
         zc.offload_param.nvme_path or zc.offload_optimizer.nvme_path,
         held_by={OffloadStateType.hp_params: OffloadStateType.lp_params}
         if optimizer is not None and optimizer.masters_are_shards else None,
+        home_of=functools.partial(state_home, optimizer),
     )
     backward = BackwardPass(
         units, persistent_unit, coordinator, reducer, grads, device,
@@ -292,6 +294,14 @@ def grad_reduce(mesh: ShardMesh, comm: Communicator) -> GradReduce:
     if topology is None or topology.grads_inside is None or topology.grads_across is None or not mesh.sharded:
         return GradReduce(mesh, comm)
     return QuantizedGradReduce(mesh, comm, topology.grads_inside.shard_size, topology.grads_across.shard_size)
+
+
+def state_home(optimizer: ZeroOptimizer | None, state: OffloadStateType) -> torch.device | None:
+    """Where a state that holds no memory now has its place: gradient shards made on demand are made on
+    their device (zero3.offload.manager's [Note: states that hold no memory now])."""
+    if state is OffloadStateType.lp_grads and optimizer is not None:
+        return optimizer.grads.device
+    return None
 
 
 def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:
