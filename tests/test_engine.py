@@ -502,6 +502,21 @@ def destroy_and_collect(rank: int, world: int) -> None:
     assert all(type(m._parameters) is dict for m in model.modules())
     with pytest.raises(RuntimeError, match="destroyed"):
         engine(x, y)
+    # A new engine over the released parameters would train on nothing: refused, before anything changes.
+    with pytest.raises(ValueError, match=r"parameters \(fc1.weight, .*\) were released by an earlier engine's destroy"):
+        zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    assert all(not hasattr(p, "_zero3") and p.numel() == 0 for p in model.parameters())
+    # Given values again, they make an engine that trains as one over a fresh model does.
+    torch.manual_seed(0)
+    fresh = models.MLP()
+    for param, value in zip(model.parameters(), fresh.parameters()):
+        param.data = value.data.clone()
+    again, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg())
+    reference, *_ = zero3.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg())
+    assert again(x, y).item() == reference(x, y).item()
+    again.destroy()
+    reference.destroy()
+    del again, reference, fresh
     engine_ref, model_ref = weakref.ref(engine), weakref.ref(model)
     del engine, model
     gc.collect()

@@ -10,6 +10,7 @@ zero3.partition.unit answers the other way).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Protocol
 
 import torch
@@ -130,6 +131,23 @@ class ShardedParam:
 
 def sharded(param: torch.Tensor) -> ShardedParam | None:
     return getattr(param, ATTR, None)
+
+
+# Parameters whose data a destroyed engine released (`.data` empty): a new engine over them would train on
+# nothing, so `zero3.initialize` refuses them until they hold data again.
+# Keyed by id with weak references: a WeakSet compares tensors with `==`, which is elementwise.
+_RELEASED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def mark_released(param: torch.Tensor) -> None:
+    key = id(param)
+    _RELEASED[key] = weakref.ref(param, lambda _: _RELEASED.pop(key, None))
+
+
+def released_by_destroy(param: torch.Tensor) -> bool:
+    """Whether `param` still holds nothing since an engine's `destroy()` released it."""
+    found = _RELEASED.get(id(param))
+    return found is not None and found() is param and param.numel() == 0
 
 
 def require_sharded(param: torch.Tensor, what: str) -> ShardedParam:

@@ -14,6 +14,7 @@ from zero3 import accelerator, comm
 from zero3.config import Zero3Config, load_config
 from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
+from zero3.partition.sharded_param import released_by_destroy
 from zero3.runtime.dataloader import check_dataset, training_loader
 from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.optimizer import ZeroOptimizer
@@ -51,6 +52,15 @@ def initialize(
     cfg = load_config(config if config is not None else (config_params or {}))
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    released = [name for name, param in model.named_parameters() if released_by_destroy(param)]
+    if released:
+        named = ", ".join(released[:3]) + (", ..." if len(released) > 3 else "")
+        raise ValueError(
+            f"zero3.initialize: the model's parameters ({named}) were released by an earlier engine's "
+            "destroy(), which frees every buffer, the parameters' data included: build the model again (under zero3.Init), or give the parameters their values first "
+            "(p.data = ...), or keep the first engine and park it with engine.offload_states() instead of "
+            "destroying it"
+        )
     if optimizer is not None:
         if cfg.optimizer is not None:
             raise ValueError(
