@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import zero3
-from zero3 import comm
+from zero3 import accelerator, comm
 from zero3.cli import non_negative_float, non_negative_int, positive_int
 from zero3.data import CharTokenizer, load_corpus, sample_global_batch
 
@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="AdamW weight decay (default: %(default)s)")
     train.add_argument("--clip", type=non_negative_float, default=1.0,
                        help="clip gradients to this global norm; 0: no clipping (default: %(default)s)")
-    train.add_argument("--precision", choices=sorted(_DTYPES), default="bf16",
-                       help="compute dtype; fp32 masters and Adam moments either way (default: %(default)s)")
+    train.add_argument("--precision", choices=("auto", *sorted(_DTYPES)), default="auto",
+                       help="compute dtype; fp32 masters and Adam moments either way; auto is bf16, or fp32 on "
+                            "a CPU without bf16 units, where bf16 is emulated at a large cost (default: %(default)s)")
     train.add_argument("--data", choices=("corpus", "random"), default="corpus",
                        help="the built-in character corpus (zero3.data), or uniform random tokens "
                             "(default: %(default)s)")
@@ -248,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # the weight-loading bar, in the middle of our lines
     init_distributed(args)
+    if args.precision == "auto":
+        device = accelerator.resolve_device(args.device)
+        args.precision = "bf16" if device.type == "cuda" or accelerator.computes_bf16_natively(device) else "fp32"
+        if args.precision == "fp32" and dist.get_rank() == 0:
+            print(f"this CPU ({accelerator.cpu_capability()}) would emulate bf16 at about 170x the cost of "
+                  "fp32: training in fp32 (--precision bf16 to insist)", flush=True)
     engine = build_engine(args)
     rank = engine.global_rank
     if rank == 0:

@@ -39,7 +39,7 @@ def test_help_mentions_every_option(argv: list[str], capsys: pytest.CaptureFixtu
 
 def test_train_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(_help(["train", "--help"], capsys).split())
-    for default in ("(default: 2)", "(default: 200)", "(default: bf16)", "(default: 0.001)"):
+    for default in ("(default: 2)", "(default: 200)", "(default: auto)", "(default: 0.001)"):
         assert default in text
 
 
@@ -256,3 +256,20 @@ def test_train_on_several_nodes_needs_a_rendezvous(capsys: pytest.CaptureFixture
     assert "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in capsys.readouterr().err
     assert zero3.cli.main(["train", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "2"]) == 2
     assert "--node-rank 2: expected 0..1 (--nnodes 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_precision_is_fp32_on_a_cpu_without_bf16_units_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], native: bool,
+) -> None:
+    from zero3 import accelerator
+
+    monkeypatch.setattr(accelerator, "computes_bf16_natively", lambda device: native)
+    cfg = cli.build_config(_args("--device", "cpu"))
+    printed = capsys.readouterr().out
+    assert cfg["bf16"]["enabled"] is native
+    if native:
+        assert printed == ""
+    else:
+        assert printed.count("\n") == 1 and "trains in fp32" in printed and "--precision bf16" in printed
+    assert cli.build_config(_args("--device", "cpu", "--precision", "bf16"))["bf16"]["enabled"]  # insisted

@@ -488,6 +488,26 @@ def test_ignored_keys_warn_once_and_progress_is_logged(device: str) -> None:
     assert "grad norm" in progress[0] and "forward" in progress[1] and "backward" in progress[1] and " ms" in progress[1]
 
 
+def emulated_bf16_warnings(rank: int, world: int) -> list[str]:
+    from zero3 import accelerator
+    from tests.logs import zero3_messages
+
+    accelerator.computes_bf16_natively = lambda device: False  # type: ignore[assignment]  # this rank's process
+    messages = zero3_messages()
+    for _ in range(2):
+        engine, *_ = zero3.initialize(model=models.MLP(), config=cfg(bf16={"enabled": True}))
+        engine.destroy()
+    engine, *_ = zero3.initialize(model=models.MLP(), config=cfg())  # fp32: nothing to say
+    engine.destroy()
+    return [message for message in messages if "bf16" in message]
+
+
+def test_a_bf16_engine_on_a_cpu_without_bf16_units_warns_once_naming_the_cost() -> None:
+    (warnings,) = run_ranks(1, emulated_bf16_warnings)
+    assert len(warnings) == 1, warnings
+    assert "170x" in warnings[0] and "bf16.enabled" in warnings[0], warnings
+
+
 # ---- teardown ---------------------------------------------------------------------
 def destroy_and_collect(rank: int, world: int) -> None:
     torch.manual_seed(0)

@@ -154,6 +154,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def computes_bf16_natively(device: torch.device) -> bool:
+    """Whether `device` has bf16 arithmetic units. A CPU without them (AVX2 only) emulates a bf16 matmul at
+    about 170x the time of an fp32 one (docs/benchmarks.md); every CUDA device zero3 runs on has them."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def cpu_capability() -> str:
+    """The CPU's vector capability as torch dispatches on it ("AVX2", "AVX512", ...), and its bf16 units."""
+    native = "with" if computes_bf16_natively(torch.device("cpu")) else "without"
+    return f"{torch.backends.cpu.get_cpu_capability()}, {native} bf16 units"
+
+
 def supports_pinned_memory(device: torch.device) -> bool:
     """Page-locked host memory only helps (and only exists) beside a CUDA device."""
     return device.type == "cuda" and torch.cuda.is_available()

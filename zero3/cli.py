@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lr", type=positive_float, default=1e-3,
                      help="peak AdamW learning rate, reached by a linear warmup over "
                      "min(100, steps/10) steps (at least 1)")
-    run.add_argument("--precision", choices=_PRECISIONS, default="bf16",
-                     help="compute precision: fp32, bf16, or fp16 with dynamic loss scaling")
+    run.add_argument("--precision", choices=("auto", *_PRECISIONS), default="auto",
+                     help="compute precision: fp32, bf16, or fp16 with dynamic loss scaling; auto is bf16, "
+                     "or fp32 on a CPU without bf16 units (where bf16 is emulated at a large cost)")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="where the ranks compute: auto follows ZERO3_ACCELERATOR, then CUDA "
                      "when this machine has a GPU per rank, else the CPU")
@@ -387,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
     """The DeepSpeed-style config the options describe."""
+    if args.precision == "auto":
+        args.precision = _default_precision(args.device)
     # A zero-length warmup would divide by zero in a WarmupLR-style schedule.
     warmup = max(1, min(100, args.steps // 10))
     return {
@@ -517,6 +520,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     )
     return _launch(job, args.nproc, Rendezvous(args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.node_rank))
+
+
+def _default_precision(device_choice: str) -> str:
+    """bf16, unless the ranks will compute on a CPU without bf16 units (said in one line)."""
+    from zero3 import accelerator
+
+    device = accelerator.resolve_device(None if device_choice == "auto" else device_choice)
+    if device.type == "cuda" or accelerator.computes_bf16_natively(device):
+        return "bf16"
+    print(f"zero3 train: this CPU ({accelerator.cpu_capability()}) would emulate bf16 at about 170x the "
+          "cost of fp32, so it trains in fp32 (--precision bf16 to insist)")
+    return "fp32"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ Checkpoints, state offloading and DeepSpeed's getters are its mixins.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import sys
 from collections.abc import Iterable
@@ -83,6 +85,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
                 f"(the optimizer does not exist before initialize), got {type(lr_scheduler).__name__}"
             )
         if self.global_rank == 0:
+            if self.compute_dtype == torch.bfloat16 and not accelerator.computes_bf16_natively(device):
+                _warn_emulated_bf16()
             for message in config.ignored_settings():
                 log.warning("%s", message)
             for message in config.inert_settings():
@@ -453,3 +457,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.comm.close()
         if checkpoint_error is not None:
             raise checkpoint_error
+
+
+@functools.cache
+def _warn_emulated_bf16() -> None:
+    """Once per process: a bf16 engine on a CPU without bf16 units."""
+    log.warning("bf16 on this CPU (%s): each bf16 matmul is emulated, about 170x the time of an fp32 one; "
+                "set bf16.enabled to false to train in fp32", accelerator.cpu_capability())
