@@ -30,7 +30,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{model}, {cores}, no GPU"
+    # bf16 figures on a CPU without bf16 units measure emulation (about 170x an fp32 matmul): say which.
+    from zero3.accelerator import cpu_capability
+
+    return f"{model} ({cpu_capability()}), {cores}, no GPU"
 
 
 def provenance() -> dict[str, Any]:
@@ -52,4 +55,5 @@ def write_run(path: Path, benchmark: str, args: Any, **figures: Any) -> None:
     out = {"benchmark": benchmark, "provenance": provenance(), "setup": setup, **figures}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
+    print(f"measured on {out['provenance']['machine']}")
     print(f"wrote {path}")
