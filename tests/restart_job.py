@@ -7,10 +7,14 @@ ATTEMPT:RANK:STEP:POINT` (repeatable) makes RANK SIGKILL itself during
 torchrun attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT) at optimizer step STEP:
 `mid_step` (after the step's backward, before `engine.step()`), `mid_save`
 (inside the save that step makes, after its files are written, before the tag
-is published), `after_async` (right after `engine.step()` returned with an
-async save in flight). Each rank writes what it saw under OUT: each step's
-loss (`loss_<step>_r<rank>.txt`, rewritten by a later attempt), what each
-attempt resumed from (`attempt<N>_r<rank>.json`), and at the end the whole
+is published), `after_step` (right after `engine.step()` returned, before
+the step's loss is written: an async save may still be writing, a blocking
+one is published). Each rank writes what it saw under OUT: each step's loss
+(`loss_<step>_r<rank>.txt`, rewritten by a later attempt; a rank killed
+between a step and its loss file leaves none, and a later attempt that
+resumes from that step's checkpoint does not run it again), what each
+attempt resumed from and the newest tag published when it started
+(`attempt<N>_r<rank>.json`), and at the end the whole
 fp32 parameters (`final.pt`, rank 0) and a draw from each rank's generator
 (`final_r<rank>.json`).
 """
@@ -144,6 +148,10 @@ def train(argv: list[str]) -> None:
     kills = [tuple(item.split(":")) for item in args.kill]
     my_kills = {(int(step), point) for a, r, step, point in kills if int(a) == attempt and int(r) == rank}
 
+    # The newest save that completed (it names its tag in `latest` last) before this attempt started: the
+    # last attempt's ranks and their writers are gone, and this attempt has saved nothing yet.
+    latest = Path(args.ckpt, "latest")
+    published = int(latest.read_text().strip().removeprefix("global_step")) if latest.is_file() else 0
     torch.manual_seed(1)  # the same initial weights on every rank and attempt (a resume overwrites them)
     cfg = config(args)
     warnings = Warnings()
@@ -164,7 +172,8 @@ def train(argv: list[str]) -> None:
     if not restored:  # saved at another world size: the engine leaves per-rank states alone
         sampler.seek(resumed_at * args.global_batch)
     (out / f"attempt{attempt}_r{rank}.json").write_text(json.dumps({
-        "resumed_at": resumed_at, "client_state": engine.client_state, "sampler_restored": restored,
+        "resumed_at": resumed_at, "published": published, "client_state": engine.client_state,
+        "sampler_restored": restored,
         "world": world, "gas": engine.gradient_accumulation_steps(), "warnings": warnings.messages,
         "nodes": [nodes.num_nodes, nodes.ranks_per_node, nodes.node_rank],
         "shard": [engine.mesh.shard_size, engine.mesh.replicate_size],
@@ -203,7 +212,7 @@ def train(argv: list[str]) -> None:
                 die()
             engine.client_state = {"step": step}
             engine.step()
-        if (step, "after_async") in my_kills:
+        if (step, "after_step") in my_kills:
             die()
         (out / f"loss_{step}_r{rank}.txt").write_text(" ".join(repr(value) for value in losses))
 

@@ -244,8 +244,10 @@ def test_four_kill_and_restart_cycles_each_rendezvous_afresh(tmp_path: Path) -> 
     assert agent.returncode == 0, stderr[-3000:]
     assert "connectFullMesh" not in stderr
     for attempt in range(kills):
-        # each attempt joined its groups (so no restart went to a failed rendezvous), and died as planned
-        assert all(f"{attempt} init" in logs[rank] for rank in (0, 1)), logs
+        # Each attempt joined its groups (so no restart went to a failed rendezvous) and died as planned. The
+        # rank that died wrote "init" once its all-reduce on the user's group returned, which its peer had
+        # joined too; the peer's own note may be cut off when the kill comes right after (`after_init`).
+        assert f"{attempt} init" in logs[attempt % 2], logs
         assert f"{attempt} die {KILL_POINTS[attempt]}" in logs[attempt % 2], logs
     assert all(f"{kills} complete" in logs[rank] for rank in (0, 1)), logs
 
