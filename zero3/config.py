@@ -942,7 +942,9 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_allow_untested_optimizer": ("no effect", "zero3 steps any elementwise torch optimizer"),
     "zero_force_ds_cpu_optimizer": ("no effect", "the host step is torch's fused kernel, not DeepSpeed's"),
     "activation_checkpointing": (
-        "no effect", "use torch.utils.checkpoint in the model; zero3 re-gathers what it reruns"),
+        "implemented", "cpu_checkpointing, synchronize_checkpoint_boundary and profile configure "
+        "deepspeed.checkpointing.checkpoint (torch's non-reentrant checkpoint, re-gathered by zero3); "
+        "partition_activations and contiguous_memory_optimization are refused (no model parallelism)"),
     "checkpoint.tag_validation": (
         "no effect", "a save always refuses different tags on different ranks (DeepSpeed's \"Fail\")"),
     "checkpoint.load_universal": (

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from zero3 import accelerator, comm
+from zero3 import accelerator, activation_checkpointing, comm
 from zero3.config import Zero3Config, load_config
 from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
@@ -61,6 +61,8 @@ def initialize(
             "(p.data = ...), or keep the first engine and park it with engine.offload_states() instead of "
             "destroying it"
         )
+    if cfg.activation_checkpointing:
+        activation_checkpointing.configure(deepspeed_config=cfg)  # as DeepSpeed's initialize does; refusals first
     if optimizer is not None:
         if cfg.optimizer is not None:
             raise ValueError(

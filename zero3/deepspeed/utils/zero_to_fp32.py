@@ -1,0 +1,54 @@
+"""`deepspeed.utils.zero_to_fp32`: a checkpoint's whole fp32 weights, offline (one process, no GPU).
+
+For zero3's checkpoints (any world size): `zero3.checkpoint.export` reads each parameter whole from its
+chunks. The names are DeepSpeed's; DeepSpeed's own checkpoint directories are imported first
+(`zero3 import-deepspeed`), which is not offered yet.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from zero3.checkpoint.export import export
+
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             trust_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    """{name: fp32 tensor} of the checkpoint's parameters and persistent buffers (memory holds them all)."""
+    if exclude_frozen_parameters:
+        raise NotImplementedError("exclude_frozen_parameters=True: zero3's checkpoints do not mark frozen "
+                                  "parameters apart; filter the returned dict by the model's requires_grad")
+    with tempfile.TemporaryDirectory() as out:
+        files = export(checkpoint_dir, out, dtype="fp32", tag=tag, trust_checkpoint=trust_checkpoint)
+        state: dict[str, torch.Tensor] = {}
+        for path in files:
+            if path.suffix == ".safetensors":
+                state.update(load_file(path))
+    return state
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
+                                               output_dir: str | os.PathLike[str],
+                                               max_shard_size: str | int = "5GB", safe_serialization: bool = True,
+                                               tag: str | None = None, exclude_frozen_parameters: bool = False,
+                                               trust_checkpoint: bool = False) -> list[Path]:
+    """Write the checkpoint's fp32 weights under `output_dir` as safetensors (Hugging Face's sharded layout
+    above `max_shard_size`); returns the files written."""
+    from zero3.checkpoint.weights import parse_size
+
+    if not safe_serialization:
+        raise NotImplementedError("safe_serialization=False: zero3 writes weights as safetensors only "
+                                  "(a pickle is code to whoever loads it)")
+    if exclude_frozen_parameters:
+        raise NotImplementedError("exclude_frozen_parameters=True: zero3's checkpoints do not mark frozen "
+                                  "parameters apart")
+    return export(checkpoint_dir, output_dir, dtype="fp32", max_shard_bytes=parse_size(max_shard_size), tag=tag,
+                  trust_checkpoint=trust_checkpoint)
