@@ -78,8 +78,12 @@ def engine_states(rank: int, world: int, nvme_root: str) -> list[dict[str, Any]]
         results.append({
             "disk_files": sum(path.stat().st_size for path in files),
             "model_state_bytes": engine.model_state_bytes(),
-            "report": {state: {k: v for k, v in where.items() if v} for state, where in report.items()},
-            "homes": {state: {k: v for k, v in where.items() if v} for state, where in report.homes.items()},
+            # Places with no bytes left out, but the place of gradient shards made on demand (0 bytes between
+            # steps), which the estimate names too.
+            "report": {state: {k: v for k, v in where.items() if v or state == "lp_grads"}
+                       for state, where in report.items()},
+            "homes": {state: {k: v for k, v in where.items() if v or state == "lp_grads"}
+                      for state, where in report.homes.items()},
         })
         engine.destroy()
     return results

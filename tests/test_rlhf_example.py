@@ -45,11 +45,16 @@ def run_script(command: list[str], cwd: Path) -> str:
 
 
 def _where(info: dict, state: str, place: str) -> list[str]:
-    """The devices a state's report should name: `place` if it holds bytes there. A trained fp32 engine's
-    masters are its shards (hp_params holds no bytes of its own): they are where lp_params is."""
+    """The devices a state's report should name: `place` if it lives there. A trained fp32 engine's masters
+    are its shards (hp_params holds no bytes of its own): they are where lp_params is; its gradient shards,
+    made on demand at 2 CPU ranks, hold no bytes between steps, yet live there (the report names the place
+    with 0 bytes). An engine that does not train has neither."""
     held = sum(info["states"][state].values())
-    if state == "hp_params" and not held and sum(info["states"]["optim_states"].values()):
+    trains = sum(info["states"]["optim_states"].values()) > 0
+    if state == "hp_params" and not held and trains:
         held = sum(info["states"]["lp_params"].values())
+    if state == "lp_grads" and trains:
+        return [place]
     return [place] if held else []
 
 

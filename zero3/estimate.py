@@ -351,7 +351,8 @@ class Estimate:
 
     def report(self, device: str) -> dict[str, dict[str, int]]:
         """The shape of `engine.state_report()` for an engine on `device` ("cuda:0", "cpu"), places with no
-        bytes left out: host memory is "cpu" and disk "nvme", as the engine names them."""
+        bytes left out (but the place of gradient shards made on demand): host memory is "cpu" and disk
+        "nvme", as the engine names them."""
         names = {"device": device, "host": "cpu", "disk": "nvme"}
         out: dict[str, dict[str, int]] = {}
         for state in REPORTED_STATES:
@@ -359,6 +360,10 @@ class Estimate:
             for place, nbytes in self.states[state].items():
                 if nbytes:
                     where[names[place]] = where.get(names[place], 0) + nbytes
+            if state == "lp_grads" and not where and any(self.backward_bytes.values()):
+                # Shards made on demand hold nothing between steps, and the report names their place with
+                # 0 bytes (zero3.offload.manager's [Note: states that hold no memory now]).
+                where[names[_grads_home(self.settings)]] = 0
             out[state] = where
         return out
 
