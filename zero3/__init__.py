@@ -18,6 +18,7 @@ from zero3.accessors import (
     safe_update_full_grad_vectorized,
 )
 from zero3.checkpoint import CheckpointError
+from zero3.checkpoint.deepspeed_import import import_deepspeed_checkpoint
 from zero3.comm import init_distributed
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
@@ -71,6 +72,7 @@ __all__ = [
     "ZeroEngine",
     "ZeroParamStatus",
     "get_state_devices",
+    "import_deepspeed_checkpoint",
     "get_z3_leaf_modules",
     "init_distributed",
     "set_z3_leaf_module",

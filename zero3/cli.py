@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         # Keep the epilog's one-option-per-line layout.
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="zero3: a ZeRO stage-3 training engine for PyTorch. "
-        "`zero3 train` runs its built-in demo; `zero3 export` writes a checkpoint's weights as safetensors.",
+        "`zero3 train` runs its built-in demo; `zero3 export` writes a checkpoint's weights as safetensors; "
+        "`zero3 import-deepspeed` makes a DeepSpeed ZeRO-3 checkpoint a zero3 one.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser(
@@ -180,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the checkpoint's pickled files without the weights-only guard (only for "
                              "files you trust: they could run code)")
     export.set_defaults(handler=_cmd_export)
+    imported = commands.add_parser(
+        "import-deepspeed",
+        help="make a DeepSpeed ZeRO-3 checkpoint a zero3 one (one process, no GPU)",
+        description="Read a DeepSpeed ZeRO-3 checkpoint (saved at any world size: fp32 masters, Adam's moments "
+        "and steps, the LR schedule, the counters and the client state) and write it as a zero3 checkpoint "
+        "that loads at any world size. DeepSpeed's files are pickles: --trust-checkpoint is required.",
+    )
+    imported.add_argument("checkpoint_dir", help="DeepSpeed's save_checkpoint directory (its `latest` tag unless --tag)")
+    imported.add_argument("out_dir", help="the zero3 checkpoint directory to write (new, or empty)")
+    imported.add_argument("--tag", default=None, help="the DeepSpeed tag to import (default: the one `latest` names)")
+    imported.add_argument("--trust-checkpoint", action="store_true",
+                          help="you trust DeepSpeed's pickled files (they are still read under an allowlist of "
+                               "what DeepSpeed writes where that suffices)")
+    imported.set_defaults(handler=_cmd_import_deepspeed)
     _add_estimate_parser(commands)
     parser.epilog = _options_summary(train)
     return parser
@@ -196,6 +211,19 @@ def _options_summary(sub: argparse.ArgumentParser) -> str:
                 initial_indent="  ", subsequent_indent=" " * 27,
             ))
     return "\n".join(lines)
+
+
+def _cmd_import_deepspeed(args: argparse.Namespace) -> int:
+    from zero3.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+    from zero3.checkpoint.tags import CheckpointError
+
+    try:
+        written = import_deepspeed_checkpoint(args.checkpoint_dir, args.out_dir, args.trust_checkpoint, args.tag)
+    except (CheckpointError, ValueError) as error:
+        print(f"zero3 import-deepspeed: {error}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -1,0 +1,223 @@
+"""A DeepSpeed ZeRO-3 checkpoint directory, read whole: every parameter's fp32 master and Adam moments put
+back together from the ranks' flat partitions, with the step, the schedule, the counters and the client's
+state.
+
+[Note: DeepSpeed's ZeRO-3 layout]
+A tag holds, per data-parallel rank r, `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (the module's
+buffers, `param_shapes`: one ordered {name: shape} per sub-group, the schedule, the counters, the config,
+and the client's keys at the top level) and `[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt` (the
+fp32 flat partition of each sub-group, `fp32_flat_groups`, and the torch optimizer's state of those flat
+tensors: `exp_avg`, `exp_avg_sq`, `step`). Each parameter, in `param_shapes` order across the sub-groups,
+takes ceil(numel / world) elements of every rank's concatenated flat partitions, the last rank's padded:
+parameter p is the ranks' pieces at the same offset, joined and cut to its numel. Adam's moments follow
+the same layout. (DeepSpeed's own zero_to_fp32.py reads the masters the same way.)
+
+The files are pickles. They are read under torch's weights-only unpickler with the three DeepSpeed
+classes they hold stood in by plain classes of the same names (`ZeroStageEnum`, `LossScaler`,
+`DynamicLossScaler`): a file naming anything else is refused in words.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import pickle
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero3.checkpoint.tags import CheckpointError
+
+LATEST = "latest"
+_MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class _ZeroStageEnum(enum.IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+class _LossScaler:
+    """DeepSpeed's static loss scaler, as data (its attributes)."""
+
+
+class _DynamicLossScaler(_LossScaler):
+    """DeepSpeed's dynamic loss scaler, as data."""
+
+
+for _stand_in, _module, _name in ((_ZeroStageEnum, "deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                                  (_LossScaler, "deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                                  (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")):
+    _stand_in.__module__, _stand_in.__qualname__, _stand_in.__name__ = _module, _name, _name
+
+
+@dataclass
+class DeepSpeedState:
+    """One DeepSpeed ZeRO-3 tag, every piece whole."""
+
+    path: Path  # the tag's directory
+    world_size: int
+    groups: list[list[str]]  # parameter names per optimizer param group, in DeepSpeed's order
+    group_options: list[dict[str, Any]]  # each group's hyperparameters (torch's param_groups, lr included)
+    shapes: dict[str, torch.Size]
+    masters: dict[str, torch.Tensor]  # fp32, whole
+    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg": ..., "exp_avg_sq": ...}
+    steps: dict[str, float]  # name -> Adam's step count
+    buffers: dict[str, torch.Tensor]
+    lr_scheduler: dict[str, Any] | None
+    loss_scaler: dict[str, Any] | None  # an fp16 run's dynamic scaler state
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    ds_config: dict[str, Any]
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+# What DeepSpeed itself puts at the top level of a model-states file; everything else is the client's.
+_ENGINE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "ds_zero_partition_groups",
+}
+
+
+def read_file(path: Path, trusted: bool) -> dict[str, Any]:
+    """One of DeepSpeed's files, under the allowlist (and, if `trusted` and the allowlist does not suffice,
+    by plain unpickling, which needs DeepSpeed's classes installed)."""
+    try:
+        with torch.serialization.safe_globals([_ZeroStageEnum, _LossScaler, _DynamicLossScaler, OrderedDict,
+                                               torch.Size]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if not trusted:
+            raise CheckpointError(f"{str(path)!r} holds more than DeepSpeed's tensors, containers and enums "
+                                  f"({str(error).splitlines()[0]})") from error
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{str(path)!r} is missing") from error
+
+
+def resolve_tag(src: Path, tag: str | None) -> Path:
+    if not src.is_dir():
+        raise CheckpointError(f"DeepSpeed checkpoint directory {str(src)!r} does not exist")
+    if tag is None:
+        marker = src / LATEST
+        if not marker.is_file():
+            raise CheckpointError(f"{str(marker)!r} does not exist: pass the tag to import")
+        tag = marker.read_text().strip()
+    path = src / tag
+    if not path.is_dir():
+        raise CheckpointError(f"DeepSpeed tag {tag!r} not found in {str(src)!r}")
+    return path
+
+
+def _rank_files(path: Path) -> set[int]:
+    """The data-parallel ranks whose model-states files the tag holds."""
+    found: dict[int, set[int]] = {}
+    for file in path.iterdir():
+        match = _MODEL_FILE.fullmatch(file.name)
+        if match:
+            found.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+    if not found:
+        stage12 = sorted(file.name for file in path.glob("mp_rank_*_model_states.pt"))
+        if stage12:
+            raise CheckpointError(f"{str(path)!r} is not a ZeRO-3 checkpoint ({stage12[0]} holds the whole model: "
+                                  "ZeRO stage 0, 1 or 2); expected zero_pp_rank_<r>_mp_rank_00_model_states.pt")
+        raise CheckpointError(f"{str(path)!r} holds no zero_pp_rank_<r>_mp_rank_00_model_states.pt: not a "
+                              "DeepSpeed ZeRO-3 tag")
+    if set(found) != {0}:
+        raise CheckpointError(f"{str(path)!r} was saved with model parallelism (mp ranks {sorted(found)}); "
+                              "zero3 imports data-parallel ZeRO-3 checkpoints (mp_rank_00 only)")
+    return found[0]
+
+
+def _check_ranks(path: Path, ranks: set[int], world: int) -> None:
+    missing = sorted(set(range(world)) - ranks)
+    if missing:
+        raise CheckpointError(f"{str(path / f'zero_pp_rank_{missing[0]}_mp_rank_00_model_states.pt')!r} is missing: "
+                              f"the tag was saved by {world} ranks (ranks {sorted(ranks)} are there)")
+    extra = sorted(ranks - set(range(world)))
+    if extra:
+        raise CheckpointError(f"{str(path)!r} holds files of ranks {extra}, but it was saved by {world} ranks")
+
+
+def _optim_file(path: Path, rank: int, bf16: bool) -> Path:
+    return path / f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> DeepSpeedState:
+    path = resolve_tag(Path(src), tag)
+    ranks = _rank_files(path)
+    if 0 not in ranks:
+        raise CheckpointError(f"{str(path / 'zero_pp_rank_0_mp_rank_00_model_states.pt')!r} is missing")
+    first = read_file(path / "zero_pp_rank_0_mp_rank_00_model_states.pt", trusted)
+    world = int(first.get("dp_world_size", max(ranks) + 1))
+    _check_ranks(path, ranks, world)
+    models = [first] + [read_file(path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", trusted)
+                        for r in range(1, world)]
+    ds_config = dict(first.get("ds_config") or {})
+    stage = (ds_config.get("zero_optimization") or {}).get("stage")
+    if stage != 3:
+        raise CheckpointError(f"{str(path)!r} was saved with zero_optimization.stage={stage!r}; expected 3")
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled")) or _optim_file(path, 0, True).is_file()
+    optims = [read_file(_optim_file(path, r, bf16), trusted)["optimizer_state_dict"] for r in range(world)]
+    for r, optim in enumerate(optims):
+        if int(optim.get("zero_stage", 3)) != 3:
+            raise CheckpointError(f"{str(_optim_file(path, r, bf16))!r} is a ZeRO stage {int(optim['zero_stage'])} "
+                                  "optimizer state; expected 3")
+        if models[r]["param_shapes"] != first["param_shapes"]:
+            raise CheckpointError(f"rank {r}'s model states list other parameters than rank 0's in {str(path)!r}")
+    sub_groups = [OrderedDict(group) for group in first["param_shapes"]]
+    shapes = {name: torch.Size(shape) for group in sub_groups for name, shape in group.items()}
+    flats = [torch.cat([t.float() for t in optim["fp32_flat_groups"]]) for optim in optims]
+    inner = [optim["optimizer_state_dict"] for optim in optims]
+    moments = {key: [torch.cat([inner[r]["state"][i][key].float() for i in range(len(sub_groups))])
+                     for r in range(world)] for key in MOMENTS}
+    masters: dict[str, torch.Tensor] = {}
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    steps: dict[str, float] = {}
+    offset = 0
+    for index, group in enumerate(sub_groups):
+        step = float(torch.as_tensor(inner[0]["state"][index]["step"]))
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            piece = -(-numel // world)
+
+            def whole(parts: list[torch.Tensor]) -> torch.Tensor:
+                return torch.cat([part[offset : offset + piece] for part in parts])[:numel].reshape(shape).clone()
+
+            masters[name] = whole(flats)
+            per_param[name] = {key: whole(moments[key]) for key in MOMENTS}
+            steps[name] = step
+            offset += piece
+    if offset != flats[0].numel():
+        raise CheckpointError(f"{str(path)!r}: the parameters take {offset} elements of each rank's flat partition, "
+                              f"which holds {flats[0].numel()}: a layout zero3 does not know")
+    # DeepSpeed's sub-groups split torch param groups; each sub-group's torch group says which options it has.
+    groups: list[list[str]] = []
+    options: list[dict[str, Any]] = []
+    for index, group in enumerate(sub_groups):
+        group_options = {k: v for k, v in inner[0]["param_groups"][index].items() if k != "params"}
+        if options and options[-1] == group_options:
+            groups[-1].extend(group)
+        else:
+            groups.append(list(group))
+            options.append(group_options)
+    buffers = {name: first["module"][name] for name in first.get("buffer_names", [])}
+    scaler = optims[0].get("loss_scaler")
+    return DeepSpeedState(
+        path=path, world_size=world, groups=groups, group_options=options, shapes=shapes, masters=masters,
+        moments=per_param, steps=steps, buffers=buffers, lr_scheduler=first.get("lr_scheduler"),
+        loss_scaler=dict(vars(scaler)) if isinstance(scaler, _DynamicLossScaler) else None,
+        global_steps=int(first.get("global_steps", 0)), global_samples=int(first.get("global_samples", 0)),
+        skipped_steps=int(first.get("skipped_steps", 0)), ds_config=ds_config,
+        client_state={k: v for k, v in first.items() if k not in _ENGINE_KEYS},
+    )
