@@ -114,14 +114,14 @@ def read_only_for(root: str) -> str:
     return ""
 
 
-def read_only_on_one_rank(rank: int, world: int, root: str) -> dict:
+def read_only_on_one_rank(rank: int, world: int, root: str, every_rank: bool = False) -> dict:
     torch.manual_seed(0)
     model = models.TiedTransformer()
     engine = zero3.initialize(model=model, config=CONFIG)[0]
     step(engine, rank, world, 0)
     engine.save_checkpoint(root, tag="a")
     dist.barrier()
-    why_not = read_only_for(root) if rank == 1 else ""
+    why_not = read_only_for(root) if rank == 1 or every_rank else ""
     reasons: list = [None] * world
     dist.all_gather_object(reasons, why_not)
     out: dict = {}
@@ -145,17 +145,21 @@ def read_only_on_one_rank(rank: int, world: int, root: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world,every_rank", [(2, False), (3, False), (2, True)],
+                         ids=["2-one-rank", "3-one-rank", "2-every-rank"])
 def test_a_checkpoint_directory_read_only_on_one_rank_fails_the_save_on_every_rank(
-    tmp_path: Path, world: int
+    tmp_path: Path, world: int, every_rank: bool,
 ) -> None:
+    """Read-only for rank 1, or for every rank (the directory nobody can write: rank 0 finds it as the save
+    starts, before any rank writes)."""
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount for one rank needs root (this process is not)")
-    results = run_ranks(world, read_only_on_one_rank, str(tmp_path))
+    results = run_ranks(world, read_only_on_one_rank, str(tmp_path), every_rank)
     if "skipped" in results[0]:
         pytest.skip(f"no mount namespace for one rank here: {results[0]['skipped']}")
+    failing = "rank 0" if every_rank else "rank 1"
     for rank, result in enumerate(results):
-        assert result["error"] is not None and "rank 1" in result["error"], (rank, result)
+        assert result["error"] is not None and failing in result["error"], (rank, result)
         assert "read-only file system" in result["error"] and "'latest' still names 'a'" in result["error"], result
         assert result["untouched"], rank
         assert result["listing"] == ["a", "latest"] and result["latest"] == "a", result  # no partial tag
