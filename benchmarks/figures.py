@@ -313,7 +313,22 @@ def render_fault_tolerance(run: dict[str, Any]) -> str:
             + provenance_line(run))
 
 
+# ---- deepspeed_import.py -------------------------------------------------------------------------------
+
+def render_deepspeed_import(run: dict[str, Any]) -> str:
+    medians, runs = run["medians"], run["runs"]
+    names = {"deepspeed_load_s": "DeepSpeed's own `load_checkpoint`, 2 ranks", "zero3_save_s":
+             "one zero3 `save_checkpoint`, 2 ranks", "import_s": "`zero3 import-deepspeed`, one process"}
+    rows = [[label, f"**{medians[key]:.3f}**", ", ".join(f"{t:.3f}" for t in runs[key])] for key, label in names.items()]
+    return (f"The 6 x 512 GPT ({run['params'] / 1e6:,.1f}M parameters, fp32 masters and Adam), a DeepSpeed 0.19.8 "
+            "ZeRO-3 checkpoint saved by 2 ranks; a time is the slowest rank's.\n\n"
+            + table(["what", "median s", "repeats s"], rows)
+            + f"\n\nThe import over DeepSpeed's load plus one zero3 save: **{run['ratio_to_goal']:.2f}x** "
+              "(goal: at most 1.00x).\n\n" + provenance_line(run))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_step_time,
+                                                          "deepspeed_import": render_deepspeed_import,
                                                           "fault_tolerance": render_fault_tolerance,
                                                           "offload_overlap": render_offload_overlap,
                                                           "checkpoint": render_checkpoint,
@@ -382,6 +397,9 @@ def headline(measured: Figures) -> str:
         lambda run: f"step {run['ft_over_hsdp']:.2f}x HSDP's (goal 1.10x); a killed group back training "
                     f"{run['kill']['kill_to_first_step_s']:.1f} s after the kill, its peer's longest step "
                     f"{run['kill']['survivor_longest_over_median']:.2f}x its median (goal 2x)")
+    add("a DeepSpeed ZeRO-3 checkpoint imported (6 x 512 GPT, 2 ranks)", "deepspeed_import_cpu",
+        lambda run: f"{run['medians']['import_s']:.2f} s, {run['ratio_to_goal']:.2f}x DeepSpeed's load + one zero3 "
+                    "save (goal 1.0x)")
     add("kill to first step after a restart", "recovery_cpu",
         lambda run: f"{run['medians']['zero3']['kill -> first step']:.1f} s, "
                     f"{run['zero3_over_deepspeed']:.2f}x DeepSpeed's")

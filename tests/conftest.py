@@ -31,7 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # many short files to even out the two workers' ends (the run took 972 s, 37 s over half the sum). xdist's
 # own order (most tests first) put these files, which have few tests each, last.
 SLOWEST_FIRST = (
-    "tests/test_fault_tolerance.py", "tests/test_restarts.py", "tests/test_cli.py", "tests/test_checkpoint.py",
+    "tests/test_fault_tolerance.py", "tests/test_restarts.py", "tests/test_deepspeed_import.py", "tests/test_cli.py",
+    "tests/test_checkpoint.py", "tests/test_deepspeed_offload_states.py",
     "tests/test_hf_trainer.py", "tests/test_init_distributed.py", "tests/test_shared_state.py",
     "tests/test_zeropp.py", "tests/test_checkpoint_writer.py", "tests/test_example_train.py",
     "tests/test_helper_threads.py", "tests/test_rlhf_example.py", "tests/test_exit.py",

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import zero3
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, script_env
 
 # (module path, name): what DeepSpeed scripts import, and the zero3 object it must be (None: zero3.deepspeed's own).
 PATHS = [
@@ -66,7 +68,17 @@ def test_every_deepspeed_path_imports_and_is_zero3s(module: str, name: str, expe
     assert getattr(reached, name) is found
     if expected is not None:
         assert found is expected
-    assert "deepspeed" not in sys.modules  # nothing poses as the package
+    posing = sys.modules.get("deepspeed")  # DeepSpeed itself may be imported (the test extra installs it)
+    assert posing is None or "zero3" not in str(getattr(posing, "__file__", "")), posing
+
+
+def test_nothing_poses_as_the_deepspeed_package() -> None:
+    """In a fresh interpreter: every path of zero3.deepspeed imported, and no `deepspeed` in sys.modules."""
+    modules = sorted({f"zero3.deepspeed.{m}" if m else "zero3.deepspeed" for m, _, _ in PATHS})
+    script = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('deepspeed' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=script_env(str(Path(__file__).resolve().parents[1])))
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 def test_add_config_arguments_takes_deepspeeds_flags(tmp_path) -> None:

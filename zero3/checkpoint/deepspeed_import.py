@@ -98,6 +98,8 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
     cfg |= _batch(state)
     cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     created_group = not dist.is_initialized()
+    if created_group:  # a world of its own, whatever rendezvous variables the environment holds
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = _Parameters(state)
     named = dict(model.named_parameters())
     groups = [{"params": [named[name] for name in names],
