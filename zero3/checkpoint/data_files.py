@@ -45,6 +45,7 @@ without (1.38x before; `benchmarks/checkpoint.py --overhead`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -52,7 +53,7 @@ import functools
 import io
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,6 +221,19 @@ def saved_form(dtype: torch.dtype, shape: tuple[int, ...]) -> SavedForm | None:
 def crc_is_on() -> bool:
     """Whether this process's `torch.save` writes zip CRC-32s (torch's default)."""
     return bool(torch_serialization_config.save.compute_crc32)
+
+
+@contextlib.contextmanager
+def saves_without_crc() -> Iterator[None]:
+    """`torch.save` without the zip CRC-32 for the duration (each item's form then applies: the Note above),
+    the process's setting restored after. For a process that saves only zero3's files meanwhile (the
+    import command): torch.load never reads the CRC, and zero3 checks its own sums."""
+    before = torch_serialization_config.save.compute_crc32
+    torch_serialization_config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        torch_serialization_config.save.compute_crc32 = before
 
 
 @functools.lru_cache(maxsize=4096)

@@ -177,30 +177,27 @@ def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> Deep
             raise CheckpointError(f"rank {r}'s model states list other parameters than rank 0's in {str(path)!r}")
     sub_groups = [OrderedDict(group) for group in first["param_shapes"]]
     shapes = {name: torch.Size(shape) for group in sub_groups for name, shape in group.items()}
-    flats = [torch.cat([t.float() for t in optim["fp32_flat_groups"]]) for optim in optims]
     inner = [optim["optimizer_state_dict"] for optim in optims]
-    moments = {key: [torch.cat([inner[r]["state"][i][key].float() for i in range(len(sub_groups))])
-                     for r in range(world)] for key in MOMENTS}
     masters: dict[str, torch.Tensor] = {}
     per_param: dict[str, dict[str, torch.Tensor]] = {}
     steps: dict[str, float] = {}
-    offset = 0
     for index, group in enumerate(sub_groups):
+        # Each rank's flat partition of this sub-group, and its moments: one tensor each.
+        flats = [optim["fp32_flat_groups"][index] for optim in optims]
+        moments = {key: [inner[r]["state"][index][key] for r in range(world)] for key in MOMENTS}
         step = float(torch.as_tensor(inner[0]["state"][index]["step"]))
+        offset = 0
         for name, shape in group.items():
             numel = math.prod(shape)
             piece = -(-numel // world)
-
-            def whole(parts: list[torch.Tensor]) -> torch.Tensor:
-                return torch.cat([part[offset : offset + piece] for part in parts])[:numel].reshape(shape).clone()
-
-            masters[name] = whole(flats)
-            per_param[name] = {key: whole(moments[key]) for key in MOMENTS}
+            masters[name] = _joined(flats, offset, piece, numel, shape)
+            per_param[name] = {key: _joined(moments[key], offset, piece, numel, shape) for key in MOMENTS}
             steps[name] = step
             offset += piece
-    if offset != flats[0].numel():
-        raise CheckpointError(f"{str(path)!r}: the parameters take {offset} elements of each rank's flat partition, "
-                              f"which holds {flats[0].numel()}: a layout zero3 does not know")
+        if any(flat.numel() != offset for flat in flats):
+            raise CheckpointError(f"{str(path)!r}: the parameters of sub-group {index} take {offset} elements of "
+                                  f"each rank's flat partition, which holds {flats[0].numel()}: a layout zero3 does "
+                                  "not know")
     # DeepSpeed's sub-groups split torch param groups; each sub-group's torch group says which options it has.
     groups: list[list[str]] = []
     options: list[dict[str, Any]] = []
@@ -221,3 +218,16 @@ def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> Deep
         skipped_steps=int(first.get("skipped_steps", 0)), ds_config=ds_config,
         client_state={k: v for k, v in first.items() if k not in _ENGINE_KEYS},
     )
+
+
+def _joined(parts: list[torch.Tensor], offset: int, piece: int, numel: int, shape: torch.Size) -> torch.Tensor:
+    """One parameter's tensor, whole, in fp32: each rank's `piece` at `offset`, joined and cut to `numel`
+    (one copy, into a tensor of its own)."""
+    whole = torch.empty(numel, dtype=torch.float32)
+    for rank, part in enumerate(parts):
+        start = rank * piece
+        if start >= numel:
+            break
+        take = min(piece, numel - start)
+        whole[start : start + take].copy_(part[offset : offset + take])
+    return whole.view(shape)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero3.checkpoint import deepspeed_files
+from zero3.checkpoint.data_files import saves_without_crc
 from zero3.checkpoint.tags import CheckpointError
 
 TRUST_NEEDED = (
@@ -35,13 +36,14 @@ _NOT_THE_RUN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_
 
 
 class _Parameters(nn.Module):
-    """The checkpoint's parameters and buffers under their names (the model's structure, nothing else)."""
+    """The checkpoint's parameters and buffers under their names (the model's structure, nothing else),
+    each parameter holding DeepSpeed's fp32 master: an engine's masters start from its parameters' values."""
 
     def __init__(self, state: deepspeed_files.DeepSpeedState) -> None:
         super().__init__()
         for name in [name for group in state.groups for name in group]:
             owner, leaf = self._owner(name)
-            owner.register_parameter(leaf, nn.Parameter(torch.zeros(state.shapes[name])))
+            owner.register_parameter(leaf, nn.Parameter(state.masters[name]))
         for name, value in state.buffers.items():
             owner, leaf = self._owner(name)
             owner.register_buffer(leaf, value.clone())
@@ -114,7 +116,6 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
         sharded = {sp.name: sp for sp in engine.sharded_params}
         optimizer.set_states({sharded[name]: {"step": torch.tensor(state.steps[name])} for name in named})
         for name, param in named.items():
-            zero3.safe_set_full_fp32_param(param, state.masters[name])
             for key, value in state.moments[name].items():
                 zero3.safe_set_full_optimizer_state(param, value, key)
         for group, options in zip(optimizer.param_groups, state.group_options):
@@ -129,7 +130,8 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
         engine.skipped_steps = state.skipped_steps
         # DeepSpeed saves no random generators: the importing process's are nobody's, so none are written.
         engine._rank_state = lambda: None  # type: ignore[method-assign]
-        engine.save_checkpoint(directory, tag=state.path.name, client_state=state.client_state)
+        with saves_without_crc():
+            engine.save_checkpoint(directory, tag=state.path.name, client_state=state.client_state)
     finally:
         engine.destroy()
         if created_group and dist.is_initialized():
