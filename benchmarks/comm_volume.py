@@ -87,7 +87,7 @@ def group_of(role: str, rank: int, world: int, shard_size: int, secondary_size: 
     """The ranks of `rank`'s group of a role, in the engine's layout (shard groups, and hpZ's secondary
     groups, of consecutive ranks; qgZ's groups cut the shard group by node: zero3.topology)."""
     if role in ("grads_inside", "grads_across"):
-        from zero3.topology import qgz_inside_size
+        from zero3.shard_mesh import qgz_inside_size
 
         inside = qgz_inside_size(shard_size, ranks_per_node)
         start = rank // shard_size * shard_size
@@ -109,7 +109,7 @@ def volumes(collectives: list[Collective], world: int, ranks_per_node: int, shar
     """Rank 0's bytes sent per step inside and across nodes (the mean over ranks is the same here), the
     collectives recorded at `recorded_shard_size` re-laid on `world` ranks in shard groups of `shard_size`
     (and hpZ's secondary groups of `secondary_size`; qgZ's were `recorded_inside` ranks per node)."""
-    from zero3.topology import qgz_inside_size
+    from zero3.shard_mesh import qgz_inside_size
 
     inside = across = 0.0
     for c in collectives:

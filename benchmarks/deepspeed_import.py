@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    from zero3.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+    from zero3.import_deepspeed import import_deepspeed_checkpoint
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="zero3-ds-import-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -204,7 +204,7 @@ def join_under_attempt_prefix(backend: str) -> None:
     torchrun's agent hosts the store that env:// joins (TORCHELASTIC_USE_AGENT_STORE) and keeps it
     across restarts, so a plain `deepspeed.init_distributed()` on a restarted attempt reads the killed
     attempt's gloo addresses ("default_pg/0/..." keys) and fails: "Gloo connectFullMesh failed ...
-    Connection refused" (pytorch/pytorch#135712; zero3.comm's [Note: one store namespace per attempt]).
+    Connection refused" (pytorch/pytorch#135712; zero3.default_group's [Note: one store namespace per attempt]).
     On one node every rank sees the same TORCHELASTIC_RESTART_COUNT, so it can scope the keys.
     """
     import datetime

@@ -147,7 +147,7 @@ def ds_config(
 
 
 def _batch_seed(seed: int, step: int) -> int:
-    # The same spread as zero3/cli.py.
+    # The same spread as zero3/cli/worker.py (`_batch_seed`).
     return seed * 1_000_003 + step
 
 

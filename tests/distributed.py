@@ -96,7 +96,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     raise AssertionError("unreachable")
 
 
-# What a rank of a world (or an in-process world of one, via zero3.comm.init_distributed) leaves in
+# What a rank of a world (or an in-process world of one, via zero3.init_distributed) leaves in
 # os.environ: a script started from a test must not inherit it (it would rendezvous on a used port).
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")

@@ -137,7 +137,7 @@ def die() -> None:
 
 def train(argv: list[str]) -> None:
     import zero3
-    from zero3.checkpoint import state as checkpoint_state
+    from zero3.checkpoint import tag_write
 
     args = parse(argv)
     out = Path(args.out)
@@ -179,7 +179,7 @@ def train(argv: list[str]) -> None:
         "shard": [engine.mesh.shard_size, engine.mesh.replicate_size],
     }))
 
-    real_checksums = checkpoint_state.checksums
+    real_checksums = tag_write.checksums
 
     def checksums_or_die(files: list[Path], checksum: Any) -> Any:
         # Called by the save (in the background, for an async one) once its files are written; the tag
@@ -189,7 +189,7 @@ def train(argv: list[str]) -> None:
             die()
         return real_checksums(files, checksum)
 
-    checkpoint_state.checksums = checksums_or_die  # type: ignore[assignment]
+    tag_write.checksums = checksums_or_die  # type: ignore[assignment]
     # An async save is written by the rank's checkpoint writer process, where tests/hooks/sitecustomize.py
     # kills the rank at the same point.
     mid_save = [str(step) for step, point in my_kills if point == "mid_save"]

@@ -253,16 +253,16 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path
 def keep_and_mark(rank: int, world: int, root: str) -> dict:
     import time
 
-    import zero3.checkpoint.state as checkpoint_state
+    import zero3.checkpoint.tag_write as tag_write
 
     if rank == 0:  # rank 0 prunes slowly: the other ranks' saves must still return only once it has pruned
-        real_prune = checkpoint_state.prune
+        real_prune = tag_write.prune
 
         def slow_prune(*args: Any) -> list[str]:
             time.sleep(0.3)
             return real_prune(*args)
 
-        checkpoint_state.prune = slow_prune
+        tag_write.prune = slow_prune
     engine = build("fp32", root)
     seen = {}
     for index, batch in enumerate(data()[:4]):
@@ -276,7 +276,7 @@ def keep_and_mark(rank: int, world: int, root: str) -> dict:
         def refusing_prune(save_dir: Any, *args: Any) -> list[str]:
             raise PermissionError(13, "Permission denied", os.path.join(save_dir, "t2"))
 
-        checkpoint_state.prune = refusing_prune
+        tag_write.prune = refusing_prune
     warnings = zero3_messages(logging.WARNING)
     engine.save_checkpoint(root, tag="t4", keep_last=2)
     seen["t4"] = sorted(p for p in os.listdir(root) if not p.startswith("."))

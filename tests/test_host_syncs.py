@@ -28,7 +28,7 @@ READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
     torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
 }
-# Host tensors of the gloo control group (zero3.comm's Note "the engine's groups"): never on a device.
+# Host tensors of the gloo control group (zero3.topology's Note "the engine's groups"): never on a device.
 CONTROL_READS = {"comm.py:any_of_flags", "gather_walk.py:_drain"}
 ZERO3_DIR = os.path.dirname(zero3.__file__)
 

@@ -2,7 +2,7 @@
 
 Restarts: torchrun's agent keeps one TCPStore for all of a job's attempts, so a restarted attempt
 found the dead attempt's process-group keys there and gloo's connectFullMesh went to the dead
-attempt's ports (zero3.comm's [Note: one store namespace per attempt]). The job here kills one rank
+attempt's ports (zero3.default_group's [Note: one store namespace per attempt]). The job here kills one rank
 per attempt at a different point each time (after the default group, after the engine's side groups,
 mid-step, after a step) and the last attempt must finish. The suite runs 4 kills; the same script
 runs 20 by hand:
@@ -154,7 +154,7 @@ def test_comm_timeout_s_must_be_a_positive_number(value: object) -> None:
 
 def group_timeouts(rank: int, world: int, user_timeout_s: float | None, comm_timeout_s: float | None) -> dict:
     import zero3
-    from zero3.comm import _group_timeout
+    from zero3.default_group import _group_timeout
 
     if user_timeout_s is not None:
         zero3.init_distributed(timeout=user_timeout_s)
@@ -192,7 +192,7 @@ def test_an_attempt_agrees_on_a_fresh_token_over_a_dead_attempts_keys() -> None:
     """rank 0 of a new attempt first finds (and answers) the dead attempt's ask, then this attempt's."""
     import torch.distributed as dist
 
-    from zero3.comm import _attempt_token
+    from zero3.default_group import _attempt_token
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = datetime.timedelta(seconds=20)

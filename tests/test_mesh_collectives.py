@@ -1,4 +1,4 @@
-"""The mesh type and the one collectives module (zero3.topology.ShardMesh, zero3.partition.collectives).
+"""The mesh type and the one collectives module (zero3.shard_mesh.ShardMesh, zero3.partition.collectives).
 
 Checked against plain arithmetic on the ranks' inputs: the geometry against the padded split,
 the gather against the concatenated shards, the reduction against the sum over every rank
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.distributed import run_ranks
 from zero3.comm import Communicator
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent / "zero3"

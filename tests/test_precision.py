@@ -7,7 +7,7 @@ from torch import nn
 
 import zero3
 from tests.distributed import run_ranks
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 
 MICRO_STEPS = 8
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zero3.partition.collectives import ParamGather
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.sharded_param import ATTR, ShardedParam
 from zero3.partition.unit import GatherUnit, Hold
 

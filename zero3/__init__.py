@@ -18,8 +18,8 @@ from zero3.accessors import (
     safe_update_full_grad_vectorized,
 )
 from zero3.checkpoint import CheckpointError
-from zero3.checkpoint.deepspeed_import import import_deepspeed_checkpoint
-from zero3.comm import init_distributed
+from zero3.import_deepspeed import import_deepspeed_checkpoint
+from zero3.default_group import init_distributed
 from zero3.config import ConfigError, Zero3Config, load_config
 from zero3.enums import OffloadDevice, OffloadStateType, ParamStatus
 from zero3.enums import ParamStatus as ZeroParamStatus  # DeepSpeed's name
@@ -45,7 +45,7 @@ from zero3.runtime.engine import ZeroEngine
 from zero3.runtime.initialize import initialize
 from zero3.rank_failure import RankFailedError
 from zero3.runtime.weight_buckets import BucketEntry, WeightBucket
-from zero3.topology import TopologyError
+from zero3.shard_mesh import TopologyError
 from zero3 import weights
 
 __version__ = "0.1.0"

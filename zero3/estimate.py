@@ -39,12 +39,12 @@ import torch
 from torch import nn
 
 from zero3.config import ZeroConfig, Zero3Config
-from zero3.offload.optimizer_tier import FP32_BYTES, masters_are_shards
+from zero3.offload.optimizer_tier import FP32_BYTES
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.topology import ShardMesh, hpz_group_size, mics_group_size
+from zero3.shard_mesh import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
-from zero3.partition.lean import in_effect, lean_units
+from zero3.partition.lean import in_effect, lean_units, masters_are_shards
 from zero3.runtime.grad_shards import made_on_demand
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded

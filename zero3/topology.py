@@ -1,5 +1,9 @@
 """Where each rank sits in the job, and every process group the engine uses.
 
+The geometry those groups carry (`ShardMesh`, and the group sizes MiCS, hpZ
+and qgZ allow) is zero3.shard_mesh's; the default group, joined before any
+of these is made, is zero3.default_group's.
+
 [Note: one topology]
 Every engine collective runs on a group made here, in one place, and none on
 the default group. A model's own collective on the default group (expert- or
@@ -8,18 +12,40 @@ parameter gather whenever the ranks take different routes through the model,
 and both would wait forever. (Separate groups keep each sequence paired; they
 do not let a rank blocked in the model's own collective issue a gather
 another rank waits on: zero3.runtime.gather_walk's [Note: lockstep gathers]
-says what a model's collectives must do.) The groups:
+says what a model's collectives must do.) Which collective runs on which
+group: [Note: the engine's groups] below.
 
-* `gather_group`: the shard group's parameter all-gathers, issued in the
-  lockstep walk's order (zero3.runtime.gather_walk); the step's norm sum too.
-* `reduce_group`: the same ranks, for gradient reduce-scatters, which start
-  when each rank's backward reaches them (a sequence must match only within
-  a group, so they get one of their own).
+The shard and replicate groups are the dimensions of torch's `DeviceMesh`,
+(replicate, shard) as FSDP2's HSDP lays them out: built here by
+`init_device_mesh` with every dimension on a group of its own (a backend
+override; without one, torch hands a dimension that spans the job the
+default group). A mesh the user gives (`zero3.initialize(..., mesh=...)`,
+FSDP2's way: 1-D shards, 2-D is (replicate, shard)) gives the layout; the
+groups are still made here, over the same ranks, so that none is the default
+group and each has the engine's timeout.
+
+The nodes come from torchrun's environment: LOCAL_WORLD_SIZE ranks on each
+node, GROUP_RANK the node's index. Every rank's view is exchanged before
+anything else is made, so a job whose nodes disagree fails on every rank
+with the numbers, before any parameter is partitioned.
+
+[Note: the engine's groups]
+A collective sequence must match only within a group, so collectives whose
+order or timing differs between ranks get a group of their own:
+
+* `gather_group`: the shard group's parameter all-gathers, in the order of
+  the lockstep gather walk (zero3.runtime.gather_walk), which every rank
+  issues identically; the step's norm sum too.
+* `reduce_group`: the same ranks, for gradient reduce-scatters, which run in
+  a canonical bucket order but start when each rank's backward reaches
+  them, so they get one of their own.
 * `replicate_group`: the ranks holding the same shard in other replicas
-  (HSDP, MiCS), which all-reduce the reduced gradient shards.
-* `control_group`: gloo, the whole job: agreements (one rank's failure, the
-  step's commit), the walk's markers, DCP's planning in a save or load.
-  Small host tensors, so reading one never waits on an accelerator.
+  (HSDP, MiCS), which all-reduce the reduced gradient shards once a step
+  (zero3.comm's [Note: the replicas' sum, once a step]).
+* `control_group`: gloo, the whole job: the walk's markers, the step's
+  flags and every agreement (one rank's failure, the step's commit), small
+  host tensors, so reading one never waits on an accelerator and one rank's
+  failure reaches every replica; a blocking save and a load run DCP on it.
 * `job_group`: the whole job on the device's backend (what must reach every
   replica, as zero3.Init's broadcast of a new module's values).
 * `checkpoint_group()`: gloo, the whole job, for an async save's writes,
@@ -37,28 +63,9 @@ says what a model's collectives must do.) The groups:
   and the replicas' gradient sum under ZeRO-Offload); the groups above where
   those are gloo already.
 
-The shard and replicate groups are the dimensions of torch's `DeviceMesh`,
-(replicate, shard) as FSDP2's HSDP lays them out: built here by
-`init_device_mesh` with every dimension on a group of its own (a backend
-override; without one, torch hands a dimension that spans the job the
-default group). A mesh the user gives (`zero3.initialize(..., mesh=...)`,
-FSDP2's way: 1-D shards, 2-D is (replicate, shard)) gives the layout; the
-groups are still made here, over the same ranks, so that none is the default
-group and each has the engine's timeout.
-
-The nodes come from torchrun's environment: LOCAL_WORLD_SIZE ranks on each
-node, GROUP_RANK the node's index. Every rank's view is exchanged before
-anything else is made, so a job whose nodes disagree fails on every rank
-with the numbers, before any parameter is partitioned.
-
-[Note: shard geometry]
-A parameter is split across the ranks of its shard group and, where there is
-more than one copy of the model's shards (hierarchical partitioning: FSDP2's
-HSDP, DeepSpeed's MiCS and hpZ), replicated across a replicate group. The
-code that shards, gathers, reduces and estimates reads this rank's place from
-one `ShardMesh`. The geometry is the one DeepSpeed and FSDP2 use: each
-flattened parameter is padded to a multiple of the shard group's size and
-split into equal shards; shard rank r keeps elements [r*s, (r+1)*s).
+A `Communicator` (zero3.comm) issues all of these but Muon's all-to-all and
+DCP's own. Without a topology (zero3.Init, before an engine exists) it runs
+every collective on the default group, as DeepSpeed's zero.Init does.
 """
 
 from __future__ import annotations
@@ -72,84 +79,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zero3 import accelerator
-
-
-@dataclass(frozen=True)
-class ShardMesh:
-    """This rank's coordinates: its shard group (size, rank, group) and its replicate group.
-
-    A group of None is the default process group; `geometry` builds a mesh with
-    sizes and ranks alone, for layout code that issues no collective (`zero3 estimate`).
-    """
-
-    shard_size: int
-    shard_rank: int
-    shard_group: dist.ProcessGroup | None = None
-    replicate_size: int = 1
-    replicate_rank: int = 0
-    replicate_group: dist.ProcessGroup | None = None
-
-    def __post_init__(self) -> None:
-        for what, size, rank in (("shard", self.shard_size, self.shard_rank),
-                                 ("replicate", self.replicate_size, self.replicate_rank)):
-            if size < 1 or not 0 <= rank < size:
-                raise ValueError(f"ShardMesh: {what} rank {rank} outside a {what} group of size {size}")
-
-    # ---- construction ----------------------------------------------------------
-    @classmethod
-    def of_group(cls, group: dist.ProcessGroup | None = None) -> ShardMesh:
-        """Shard over every rank of `group` (default: the whole job), one replica: plain ZeRO-3."""
-        return cls(shard_size=dist.get_world_size(group), shard_rank=dist.get_rank(group), shard_group=group)
-
-    @classmethod
-    def from_device_mesh(cls, device_mesh: DeviceMesh) -> ShardMesh:
-        """A 1-D mesh shards over its one dimension; a 2-D mesh is (replicate, shard), as FSDP2's HSDP."""
-        if device_mesh.ndim == 1:
-            return cls(shard_size=device_mesh.size(), shard_rank=device_mesh.get_local_rank(),
-                       shard_group=device_mesh.get_group())
-        if device_mesh.ndim == 2:
-            return cls(
-                shard_size=device_mesh.size(1), shard_rank=device_mesh.get_local_rank(1),
-                shard_group=device_mesh.get_group(1),
-                replicate_size=device_mesh.size(0), replicate_rank=device_mesh.get_local_rank(0),
-                replicate_group=device_mesh.get_group(0),
-            )
-        raise ValueError(f"ShardMesh: a device mesh of 1 (shard) or 2 (replicate, shard) dimensions, got {device_mesh.ndim}")
-
-    @classmethod
-    def geometry(cls, shard_size: int, shard_rank: int = 0) -> ShardMesh:
-        """Sizes and ranks only: for code that lays shards out and never communicates."""
-        return cls(shard_size=shard_size, shard_rank=shard_rank)
-
-    # ---- facts -----------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        """Ranks the model's state is spread over: shard group times replicas."""
-        return self.shard_size * self.replicate_size
-
-    @property
-    def sharded(self) -> bool:
-        """Whether a parameter is split at all (a shard group of one holds it whole)."""
-        return self.shard_size > 1
-
-    def shard_numel(self, numel: int) -> int:
-        """Elements of one rank's shard of a `numel`-element parameter (padded)."""
-        return -(-numel // self.shard_size)
-
-    def shard_range(self, numel: int) -> tuple[int, int]:
-        """[start, end) of this rank's shard within the unpadded flattened parameter (may be empty)."""
-        size = self.shard_numel(numel)
-        start = min(self.shard_rank * size, numel)
-        return start, min(start + size, numel)
-
+from zero3.shard_mesh import ShardMesh, TopologyError, hpz_group_size, mics_group_size, qgz_inside_size
 
 REPLICATE, SHARD = "replicate", "shard"  # the mesh's dimension names, FSDP2's HSDP order
 HPZ_OUTER, HPZ = "hpz_groups", "hpz"  # hpZ's secondary mesh: (groups, ranks in a group)
 QGZ_ACROSS, QGZ_INSIDE = "qgz_across", "qgz_inside"  # qgZ's mesh over a shard group: (nodes, ranks of a node)
-
-
-class TopologyError(ValueError):
-    """The job's layout (its nodes, a group size from the config, a mesh) cannot be built."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +168,7 @@ def _backend_options(backend: str, timeout: datetime.timedelta | None) -> tuple[
 
 @dataclass
 class Topology:
-    """This rank's place in the job and the engine's process groups (see the Note)."""
+    """This rank's place in the job and the engine's process groups (see the Notes above)."""
 
     rank: int
     world_size: int
@@ -249,7 +183,7 @@ class Topology:
     timeout: datetime.timedelta | None
     # hpZ's secondary coordinates (size K, this rank's place) and group; None when hpZ is off.
     secondary: ShardMesh | None = None
-    # qgZ's two groups over the shard group (see the Note); None when zero_quantized_gradients is off.
+    # qgZ's two groups over the shard group ([Note: the engine's groups]); None without zero_quantized_gradients.
     grads_inside: ShardMesh | None = None
     grads_across: ShardMesh | None = None
     _made: list[dist.ProcessGroup] = field(default_factory=list)  # destroyed by `close`
@@ -399,54 +333,6 @@ def _check_mesh(mesh: DeviceMesh | None, world_size: int) -> None:
             f"mesh={mesh}: its ranks in order are {ranks}; expected 0..{world_size - 1} in order "
             "(init_device_mesh's layout: each shard group consecutive ranks, replicas across them)"
         )
-
-
-def mics_group_size(mics_shard_size: int, world_size: int) -> int:
-    """The ranks each state is sharded over at `world_size` (`zero_optimization.mics_shard_size`, -1: every
-    rank); a `TopologyError` naming both numbers where the size does not divide the world."""
-    if mics_shard_size == -1:
-        return world_size
-    if mics_shard_size < 1 or world_size % mics_shard_size:
-        raise TopologyError(
-            f"zero_optimization.mics_shard_size={mics_shard_size} does not divide the world size {world_size}: "
-            "expected a divisor of it (ranks per shard group), or -1"
-        )
-    return mics_shard_size
-
-
-def hpz_group_size(hpz_partition_size: int, shard_size: int, ranks_per_node: int) -> int:
-    """The ranks of an hpZ secondary group (`zero_optimization.zero_hpz_partition_size`; 1 or 0: off, as in
-    DeepSpeed); a `TopologyError` naming the numbers where the size does not divide the shard group or
-    the node (a secondary group must lie inside both: its gathers are to stay on the node)."""
-    size = hpz_partition_size
-    if size <= 1:
-        return 1
-    if shard_size % size:
-        raise TopologyError(
-            f"zero_optimization.zero_hpz_partition_size={size} does not divide the shard group's {shard_size} "
-            "ranks (the world size, or mics_shard_size): expected a divisor of it, usually the ranks per node"
-        )
-    if ranks_per_node % size:
-        raise TopologyError(
-            f"zero_optimization.zero_hpz_partition_size={size} does not divide the {ranks_per_node} ranks per "
-            "node (LOCAL_WORLD_SIZE): expected a divisor of it, so that each secondary group lies inside a node"
-        )
-    return size
-
-
-def qgz_inside_size(shard_size: int, ranks_per_node: int) -> int:
-    """The ranks of a shard group on one node, for qgZ's all-to-all inside the node: the node's ranks where
-    shard groups span nodes, the shard group where it lies inside one; a `TopologyError` where neither
-    size divides the other (the group's ranks on a node would differ from node to node)."""
-    if shard_size % ranks_per_node == 0:
-        return ranks_per_node
-    if ranks_per_node % shard_size == 0:
-        return shard_size
-    raise TopologyError(
-        f"zero_optimization.zero_quantized_gradients with shard groups of {shard_size} ranks on nodes of "
-        f"{ranks_per_node}: expected one of the two sizes to divide the other, so that every node holds the "
-        "same part of each shard group"
-    )
 
 
 def _shape(mesh: DeviceMesh | None, mics_shard_size: int, world_size: int) -> tuple[int, int]:

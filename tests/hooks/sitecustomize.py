@@ -14,10 +14,10 @@ if _STEPS and sys.argv[:1] == ["-c"]:
     import signal
     import time
 
-    import zero3.checkpoint.state as checkpoint_state
+    import zero3.checkpoint.tag_write as tag_write
 
     _kill_at = {f".global_step{step}.incomplete" for step in _STEPS.split(",")}
-    _real_checksums = checkpoint_state.checksums
+    _real_checksums = tag_write.checksums
 
     def _checksums_or_kill_the_rank(files, checksum):  # type: ignore[no-untyped-def]
         if files and files[0].parent.name in _kill_at:
@@ -25,7 +25,7 @@ if _STEPS and sys.argv[:1] == ["-c"]:
             time.sleep(600)  # killed with its rank (PR_SET_PDEATHSIG)
         return _real_checksums(files, checksum)
 
-    checkpoint_state.checksums = _checksums_or_kill_the_rank
+    tag_write.checksums = _checksums_or_kill_the_rank
 
 # With ZERO3_TEST_SLOW_WRITES (seconds), zero3's checkpoint writer process waits that long before it writes
 # each data file, so a test (tests/test_shared_state.py) changes the engine's state while a save that reads
@@ -53,9 +53,9 @@ _GATE = os.environ.get("ZERO3_TEST_HOLD_SAVES")
 if _GATE and sys.argv[:1] == ["-c"]:
     import time
 
-    import zero3.checkpoint.state as checkpoint_state
+    import zero3.checkpoint.tag_write as tag_write
 
-    _checksums_past_the_gate = checkpoint_state.checksums
+    _checksums_past_the_gate = tag_write.checksums
 
     def _checksums_once_the_gate_opens(files, checksum):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 20.0
@@ -65,4 +65,4 @@ if _GATE and sys.argv[:1] == ["-c"]:
             time.sleep(0.02)
         return _checksums_past_the_gate(files, checksum)
 
-    checkpoint_state.checksums = _checksums_once_the_gate_opens
+    tag_write.checksums = _checksums_once_the_gate_opens

@@ -28,8 +28,8 @@ from zero3.checkpoint.writer_process import WriteRequest, WriterProcess, WriterS
 from zero3.comm import Communicator
 from zero3.helper_threads import HelperThreads
 
-if TYPE_CHECKING:
-    from zero3.checkpoint.state import Write
+if TYPE_CHECKING:  # (DCP is imported at the first save or load, not with zero3)
+    from zero3.checkpoint.tag_write import Write
 
 # What a rank says of its writer before each async save (see `_writer_for_this_save`).
 _RUNNING, _NEEDED, _UNAVAILABLE = "running", "needed", "unavailable"
@@ -58,7 +58,6 @@ class AsyncSaves:
     def submit(self, write: Write, live: dict[str, Any]) -> Future[Path]:
         """Stage `live` (this rank's state entries) and write it in the background; collective (every rank
         calls it at the same save). The previous save has been waited for."""
-        from zero3.checkpoint.state import CommGroup
 
         assert self._pending is None or self._pending.done(), "wait() for the last save first"
         if self._periodic and self._adopt is not None and not self._in_thread:
@@ -68,6 +67,8 @@ class AsyncSaves:
         writer = self._writer_for_this_save()
         read = self._read = threading.Event()  # set once the state is read, or the save is over
         if writer is None:
+            from zero3.checkpoint.tag_write import CommGroup
+
             group = CommGroup(self._comm, self._comm.checkpoint_group())
             written = self._thread().submit(write.run, group, self._arena.views(placements, self._state), read.set)
         else:

@@ -2,9 +2,10 @@
 
 [Note: checkpoint chunks]
 A rank owns a contiguous range [start, end) of each parameter's flattened
-values (zero3.partition.layout); the padding past `numel` is never part of
-it. DCP describes a rank's piece of a tensor as boxes (offsets and sizes in
-the tensor's global shape). A row-major range is not one box in general,
+values (`ShardedParam.shard_range`, zero3.shard_mesh's [Note: shard
+geometry]); the padding past `numel` is never part of it. DCP describes
+a rank's piece of a tensor as boxes (offsets and sizes in the tensor's
+global shape). A row-major range is not one box in general,
 but it is a few: a partial innermost row, whole slabs, another partial row,
 recursively. Each box is contiguous in the flat order, so it is a view of
 the rank's range. `RangeChunks` is the state-dict entry that says so: it

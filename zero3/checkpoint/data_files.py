@@ -11,7 +11,8 @@ half of it in the kernel: a buffered write of 114 MiB costs 0.16-0.26 s of
 system time (page-cache pages taken, dirtied, written back), where the same
 bytes written with `O_DIRECT` from an aligned buffer cost 5 ms (and about 90
 ms of wall time). Both cores are training meanwhile, so every CPU-second the
-writer takes is taken from the step (issue 39's every-step overhead).
+writer takes is taken from the step: with a save every step, it is most of
+what checkpointing costs the training.
 
 So `DataFileWriter` writes the file itself, front to back, through one
 aligned buffer (`DirectFile`), with `O_DIRECT` where the filesystem takes it
@@ -38,7 +39,7 @@ process, whose `torch.save` config is the user's), each item goes through
 `torch.save` into the same stream, as DCP's writer did.
 
 With this writer, DCP's plan cached (zero3.checkpoint.planners) and the state
-handed to DCP in three groups (zero3.checkpoint.state's `grouped`), a save cost
+handed to DCP in three groups (zero3.checkpoint.tag_write's `grouped`), a save cost
 the writer 0.11-0.16 CPU-seconds, and checkpointing every step 1.12x the step
 without (1.38x before; `benchmarks/checkpoint.py --overhead`).
 """

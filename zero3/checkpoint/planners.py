@@ -30,7 +30,7 @@ class SavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
         # (DCP reads this signature: one without `storage_meta` is called the old way, with a warning.)
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
-        # A save hands DCP its entries grouped by kind (zero3.checkpoint.state's `grouped`); the names it
+        # A save hands DCP its entries grouped by kind (zero3.checkpoint.tag_write's `grouped`); the names it
         # records are the flat ones (`model.<name>`), so that torch's tools (`dcp_to_torch_save`) read the
         # checkpoint as one flat dict, as before the grouping.
         self.mappings = {fqn: (fqn,) for fqn in self.mappings}

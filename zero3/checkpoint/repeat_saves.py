@@ -91,7 +91,7 @@ def agreed(peers: Peers, key: str, state_layout: Layout | None) -> LastSave | No
 def write(last: LastSave, state: dict[str, Any], writer: DataFileWriter, planner: SavePlanner, rank: int) -> None:
     """This rank's file with the remembered plan (no exchange); `writer.results` then holds its results."""
     # What DCP's set-up of the planner comes to for zero3's state (the grouped entries flattened back to
-    # these names: zero3.checkpoint.state's `grouped`), without walking it again.
+    # these names: zero3.checkpoint.tag_write's `grouped`), without walking it again.
     planner.state_dict, planner.mappings, planner.is_coordinator = state, {key: (key,) for key in state}, rank == 0
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     Path(writer.path).mkdir(parents=True, exist_ok=True)

@@ -178,11 +178,6 @@ def load_engine_file(file: Path, weights_only: bool = True) -> Any:
         ) from None
 
 
-def load_engine_bytes(data: bytes) -> Any:
-    """An engine state this process serialized itself (the async save's copy): still weights-only."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 # An item below this many bytes is read rather than mapped: a page fault reads ahead around itself (up to
 # the device's read-ahead, often megabytes), so faulting in a small item (a scalar saved in another rank's
 # file) would read that much more of a file this rank otherwise does not need.

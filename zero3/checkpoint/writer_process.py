@@ -14,7 +14,7 @@ the same (1.058x and 1.061x the step without saves). So each rank's async saves
 are written by a process of its own, as DCP's and torchtitan's "process" mode
 does. The training process copies its state into a shared-memory
 segment (zero3.checkpoint.staging) and sends the writer a request: the
-`Write` (zero3.checkpoint.state) and where each entry sits in the segment.
+`Write` (zero3.checkpoint.tag_write) and where each entry sits in the segment.
 The writers run the same `Write` a blocking save runs, on a gloo group of
 their own, so DCP's files, the checksums, the agreement on a failure and the
 publication are the same code.
@@ -75,7 +75,7 @@ class WriterSetup:
 
 @dataclass(frozen=True)
 class WriteRequest:
-    write: Any  # zero3.checkpoint.state.Write
+    write: Any  # zero3.checkpoint.tag_write.Write
     segment: str  # the staging segment's name
     placements: list[Placement]
     keep_mapped: bool  # the next save stages into the same segment: keep it mapped, else let it go once written

@@ -33,18 +33,57 @@ quorum would notice.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from zero3.fault_tolerance.replicas import FaultToleranceError
-
-if TYPE_CHECKING:
-    from zero3.partition.flat_buffer import FlatBuffer
-    from zero3.runtime.engine import ZeroEngine
+from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.sharded_param import ShardedParam
 
 FORMAT = 1
+
+
+class PeerOptimizer(Protocol):
+    """The optimizer's part of a peer's state (zero3.runtime.optimizer's `ZeroOptimizer`)."""
+
+    params: list[ShardedParam]  # every trained parameter, in the optimizer's order
+    hp_params: FlatBuffer | None  # the fp32 masters' buffer (None: the masters are the shards)
+    moments: Mapping[str, FlatBuffer]
+    param_groups: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer
+
+    def has_state(self, sp: ShardedParam) -> bool: ...
+
+    def scalar_state(self, sp: ShardedParam) -> dict[str, torch.Tensor]: ...
+
+    def set_states(self, scalars_by_param: Mapping[ShardedParam, dict[str, torch.Tensor] | None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What a peer's state is read from and written into: the engine makes one when asked."""
+
+    lp_buffers: Sequence[FlatBuffer]  # the 16-bit shards' buffers
+    sharded_params: Sequence[ShardedParam]
+    shard: tuple[int, int]  # the shard group's size and this rank's place in it
+    optimizer: PeerOptimizer | None
+    counters: tuple[int, int, int]  # global steps, micro steps, skipped steps
+    loss_scaler: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None
+    rank_state: Callable[[], dict[str, Any] | None]  # as a checkpoint saves it (taken when called)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a peer's state brings besides its buffers and optimizer states, for the engine to apply."""
+
+    counters: tuple[int, int, int]
+    loss_scaler: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None
+    rank_state: dict[str, Any] | None
 
 
 def _readable(buffer: FlatBuffer) -> torch.Tensor:
@@ -59,8 +98,8 @@ def _readable(buffer: FlatBuffer) -> torch.Tensor:
 class PeerState:
     """One engine's state for torchft's checkpoint transport (see the Note)."""
 
-    def __init__(self, engine: ZeroEngine, report_error: Callable[[BaseException], None]) -> None:
-        self.engine = engine
+    def __init__(self, view: Callable[[], PeerView], report_error: Callable[[BaseException], None]) -> None:
+        self._view = view
         self._report_error = report_error
         self._rank_state: dict[str, Any] | None = None
         self.failure: BaseException | None = None  # why the last state received does not fit, if it does not
@@ -69,12 +108,12 @@ class PeerState:
     # ---- what is sent --------------------------------------------------------------
     def mark_step_start(self) -> None:
         """The rank state as the step begins (see the Note), on the training thread."""
-        self._rank_state = copy.deepcopy(self.engine._rank_state())
+        self._rank_state = copy.deepcopy(self._view().rank_state())
 
-    def _buffers(self) -> dict[str, FlatBuffer]:
-        engine = self.engine
-        buffers = {f"lp_params.{index}": buffer for index, buffer in enumerate(engine.parts.lp_buffers)}
-        optimizer = engine.optimizer
+    @staticmethod
+    def _buffers(view: PeerView) -> dict[str, FlatBuffer]:
+        buffers = {f"lp_params.{index}": buffer for index, buffer in enumerate(view.lp_buffers)}
+        optimizer = view.optimizer
         if optimizer is not None:
             if optimizer.hp_params is not None:
                 buffers["hp_params"] = optimizer.hp_params
@@ -82,20 +121,19 @@ class PeerState:
                 buffers[f"optim_states.{name}"] = buffer
         return buffers
 
-    def _layout(self) -> dict[str, Any]:
-        engine = self.engine
+    def _layout(self, view: PeerView) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "shard": [engine.mesh.shard_size, engine.mesh.shard_rank],
-            "params": [[sp.name, sp.numel] for sp in engine.parts.sharded_params],
-            "buffers": {key: [buffer.numel, str(buffer.dtype)] for key, buffer in self._buffers().items()},
-            "optimizer": None if engine.optimizer is None else type(engine.optimizer.optimizer).__name__,
+            "shard": list(view.shard),
+            "params": [[sp.name, sp.numel] for sp in view.sharded_params],
+            "buffers": {key: [buffer.numel, str(buffer.dtype)] for key, buffer in self._buffers(view).items()},
+            "optimizer": None if view.optimizer is None else type(view.optimizer.optimizer).__name__,
         }
 
     def state_dict(self) -> dict[str, Any]:
         """What a recovering peer with this shard rank receives (torchft calls it on its quorum thread)."""
-        engine = self.engine
-        optimizer = engine.optimizer
+        view = self._view()
+        optimizer = view.optimizer
         scalars: dict[str, dict[str, torch.Tensor]] = {}
         groups: list[dict[str, Any]] = []
         if optimizer is not None:
@@ -104,14 +142,14 @@ class PeerState:
                     scalars[sp.name] = optimizer.scalar_state(sp)
             groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         return {
-            "layout": self._layout(),
-            "buffers": {key: _readable(buffer) for key, buffer in self._buffers().items()},
+            "layout": self._layout(view),
+            "buffers": {key: _readable(buffer) for key, buffer in self._buffers(view).items()},
             "scalars": scalars,
             "param_groups": copy.deepcopy(groups),
-            "counters": [engine.global_steps, engine.micro_steps, engine.skipped_steps],
-            "loss_scaler": copy.deepcopy(engine.loss_scaler.state_dict()),
-            "lr_scheduler": None if engine.lr_scheduler is None else copy.deepcopy(engine.lr_scheduler.state_dict()),
-            "rank_state": self._rank_state if self._rank_state is not None else copy.deepcopy(engine._rank_state()),
+            "counters": list(view.counters),
+            "loss_scaler": copy.deepcopy(view.loss_scaler),
+            "lr_scheduler": copy.deepcopy(view.lr_scheduler),
+            "rank_state": self._rank_state if self._rank_state is not None else copy.deepcopy(view.rank_state()),
         }
 
     # ---- what is received ------------------------------------------------------------
@@ -129,12 +167,13 @@ class PeerState:
         self.staged = state
 
     def _check(self, state: dict[str, Any]) -> None:
-        parked = [buffer.state for buffer in self._buffers().values() if buffer.parked and buffer.store is None]
+        view = self._view()
+        parked = [buffer.state for buffer in self._buffers(view).values() if buffer.parked and buffer.store is None]
         if parked:
             raise FaultToleranceError(
                 f"a peer's state arrived while this rank's {sorted(set(parked))} are offloaded by offload_states(); "
                 "call engine.reload_states() before training, so that a recovery can write them")
-        mine = self._layout()
+        mine = self._layout(view)
         theirs = state.get("layout")
         if theirs == mine:
             return
@@ -146,12 +185,13 @@ class PeerState:
             "the healthy peer's state does not fit this rank's engine (every replica group must run the same model, "
             "config and number of ranks): " + "; ".join(differences)[:2000])
 
-    def apply_staged(self) -> None:
+    def apply_staged(self) -> Recovered:
+        """Write the staged state's buffers and optimizer states; the rest is returned for the engine."""
         state, self.staged = self.staged, None
         assert state is not None
-        engine = self.engine
-        optimizer = engine.optimizer
-        buffers = self._buffers()
+        view = self._view()
+        optimizer = view.optimizer
+        buffers = self._buffers(view)
         for key, values in state["buffers"].items():
             buffers[key].write_range(0, values)
         if optimizer is not None:
@@ -160,12 +200,9 @@ class PeerState:
             optimizer.set_states({sp: saved.get(name) for name, sp in by_name.items()})
             for group, theirs in zip(optimizer.param_groups, state["param_groups"]):
                 group.update(theirs)
-            optimizer.lp_stale = False  # the 16-bit shards came with the masters
-        engine.global_steps, engine.micro_steps, engine.skipped_steps = state["counters"]
-        engine.loss_scaler.load_state_dict(state["loss_scaler"])
-        if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine._apply_rank_state(state["rank_state"])
+        global_steps, micro_steps, skipped_steps = state["counters"]
+        return Recovered(counters=(global_steps, micro_steps, skipped_steps), loss_scaler=state["loss_scaler"],
+                         lr_scheduler=state["lr_scheduler"], rank_state=state["rank_state"])
 
     def discard_staged(self) -> None:
         self.staged = None

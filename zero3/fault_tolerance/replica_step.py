@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from zero3.fault_tolerance.peer_state import PeerState
+from zero3.config import FaultToleranceConfig
+from zero3.fault_tolerance.peer_state import PeerState, PeerView, Recovered
 from zero3.fault_tolerance.replicas import FaultTolerantReplicas
 from zero3.step_protocol import StepProtocol
 
-if TYPE_CHECKING:
-    from zero3.runtime.engine import ZeroEngine
-
 
 class ReplicaStep:
-    """The engine's side of torchft: one per engine with `fault_tolerance.enabled`."""
+    """The engine's side of torchft: one per engine with `fault_tolerance.enabled`. It reads and writes the
+    engine's state through `view` (zero3.fault_tolerance.peer_state), and hands what a recovery brings
+    besides to `apply`, as it lands."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
-        config = engine.config.fault_tolerance
-        grads = engine.optimizer.grads if engine.optimizer is not None else None
-        grads_device = grads.device if grads is not None else engine.device
-        self.protocol: StepProtocol = engine.protocol
-        self.peer_state = PeerState(engine, report_error=lambda error: self.replicas.manager.report_error(error))
+    def __init__(self, config: FaultToleranceConfig, grads_device: torch.device, protocol: StepProtocol,
+                 all_gather_objects: Callable[[Any], list[Any]], view: Callable[[], PeerView],
+                 apply: Callable[[Recovered], None]) -> None:
+        self.protocol = protocol
+        self._apply = apply
+        self.peer_state = PeerState(view, report_error=lambda error: self.replicas.manager.report_error(error))
         self.replicas = FaultTolerantReplicas(config, grads_device, self.peer_state.state_dict,
-                                              self.peer_state.load_state_dict, engine.comm.all_gather_objects)
+                                              self.peer_state.load_state_dict, all_gather_objects)
         self.recovered = False  # a peer's state was applied since the engine last looked (`take_recovered`)
         self._torchft_before: dict[str, int] = {}
         self.recoveries = 0  # times this rank took its state from a peer
@@ -74,7 +75,7 @@ class ReplicaStep:
         if not any_staged or any_errored:
             return
         if staged:
-            self.peer_state.apply_staged()
+            self._apply(self.peer_state.apply_staged())
             self.recoveries += 1
         self.recovered = True  # on every rank: what is gathered follows, together
 

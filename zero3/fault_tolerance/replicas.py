@@ -110,7 +110,7 @@ class FaultTolerantReplicas:
         manager_module, pg_module = _torchft()
         # torchft meets this group's ranks (and the other groups their cross-replica groups) in a store. Not
         # torchrun's: that one outlives a restarted attempt, whose ranks would read the dead attempt's manager
-        # address there (zero3.comm's [Note: one store namespace per attempt]). One made by this attempt's
+        # address there (zero3.default_group's [Note: one store namespace per attempt]). One made by this attempt's
         # rank 0 dies with it; its port reaches the other ranks over the engine's own group (`share`).
         self._store = dist.TCPStore(setup.host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
         store_port = share(self._store.port if self._store is not None else None)[0]

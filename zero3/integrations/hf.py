@@ -41,8 +41,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("zero3.integrations.hf needs transformers and accelerate: pip install 'zero3[hf]'") from error
 
 import zero3
-from zero3.config import read_config_file
-from zero3.integrations.hf_config import fill_from_training_arguments
+from zero3.integrations.hf_config import fill_from_training_arguments, read_zero3_config
 from zero3.integrations.hf_loading import from_pretrained
 from zero3.integrations.hf_resize import resize_token_embeddings
 from zero3.runtime.engine import ZeroEngine
@@ -50,14 +49,6 @@ from zero3.runtime.engine import ZeroEngine
 __all__ = ["Zero3Trainer", "Zero3TrainerMixin", "from_pretrained", "resize_token_embeddings"]
 
 ENGINE_TAG = "zero3"  # the engine's checkpoint, inside the Trainer's checkpoint-N/
-
-
-def _read_config(zero3_config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    if isinstance(zero3_config, dict):
-        return zero3_config
-    if isinstance(zero3_config, (str, os.PathLike)):
-        return read_config_file(zero3_config)
-    raise TypeError(f"zero3_config must be a dict or a path to a JSON file, got {type(zero3_config).__name__}")
 
 
 # The Trainer's methods Zero3Trainer overrides or relies on: without one of them (another transformers
@@ -116,7 +107,7 @@ class Zero3TrainerMixin:
                 f"Zero3Trainer needs a transformers Trainer with {', '.join(missing)} (transformers 5.x); "
                 f"this is transformers {transformers.__version__}"
             )
-        config = _read_config(zero3_config)  # refused before the Trainer sets anything up
+        config = read_zero3_config(zero3_config)  # refused before the Trainer sets anything up
         super().__init__(*args, **kwargs)
         if getattr(self.args, "deepspeed", None):
             raise ValueError("TrainingArguments.deepspeed is set: Zero3Trainer takes its config as zero3_config=")

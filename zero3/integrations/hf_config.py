@@ -12,9 +12,21 @@ names the key.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
+from zero3.config import read_config_file
+
 AUTO = "auto"
+
+
+def read_zero3_config(zero3_config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A zero3 config given as a dict, or the JSON file a path names."""
+    if isinstance(zero3_config, dict):
+        return zero3_config
+    if isinstance(zero3_config, (str, os.PathLike)):
+        return read_config_file(zero3_config)
+    raise TypeError(f"zero3_config must be a dict or a path to a JSON file, got {type(zero3_config).__name__}")
 
 
 def _lookup(config: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import zero3
+from zero3.integrations.hf_config import read_zero3_config
 from zero3.partition.sharded_param import require_sharded
 
 SINGLE_FILE = "model.safetensors"
@@ -116,8 +117,6 @@ def from_pretrained(
     (`dtype` overrides it: pass torch.bfloat16 when the Trainer's `bf16=True` fills an "auto" there).
     `config_kwargs` update the model config. The model then goes to `zero3.initialize` or
     `Zero3Trainer` like any model built under zero3.Init."""
-    from zero3.integrations.hf import _read_config
-
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a directory: from_pretrained loads a local model directory")
@@ -128,7 +127,7 @@ def from_pretrained(
     # No random init (the checkpoint overwrites every parameter, checked before anything is read): under
     # zero3.Init an init would gather each module's parameters again to write them (the whole model's worth
     # of churn, and a higher peak of host memory per rank).
-    with no_init_weights(), zero3.Init(config=_without_auto(_read_config(zero3_config)), dtype=dtype):
+    with no_init_weights(), zero3.Init(config=_without_auto(read_zero3_config(zero3_config)), dtype=dtype):
         model = model_class(model_config)
     stream_into_partitions(model, files)
     model.eval()  # as transformers' from_pretrained leaves it

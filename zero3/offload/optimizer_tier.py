@@ -67,13 +67,6 @@ class OptimizerStates(Protocol):
     def close(self) -> None: ...
 
 
-def masters_are_shards(compute_dtype: torch.dtype, offload_optimizer: str, offload_param: str) -> bool:
-    """Whether an engine's fp32 masters are its parameter shards themselves: an fp32 engine with both
-    in the same memory (neither tier offloaded) keeps one copy, not two (see zero3.runtime.optimizer's
-    [Note: masters that are the shards])."""
-    return compute_dtype == torch.float32 and offload_optimizer == "none" and offload_param == "none"
-
-
 def _state_of(name: str) -> str:
     return "hp_params" if name == "hp_params" else "optim_states"
 

@@ -8,9 +8,10 @@ order and size alone, so the five must issue the same thing: they all call
 `ParamGather.start`. A gather is three steps: copy-in (this rank's shard,
 encoded by the plan's codec when it has one), the collective on the shard
 group, copy-out (decoded, and laid out parameter by parameter with
-`copy_out`). A gradient reduction is a reduce-scatter over the shard group,
-then, where the mesh has replicas, an all-reduce of the reduced shard across
-them (`GradReduce`).
+`copy_out`). A gradient reduction is a reduce-scatter over the shard group
+(`GradReduce`); where the mesh has replicas, the reduced shards are summed
+across them once a step, not per reduction (zero3.comm's [Note: the
+replicas' sum, once a step]).
 
 [Note: qgZ's reduction]
 Under `zero_quantized_gradients` a bucket's reduce-scatter is ZeRO++'s
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from zero3.comm import Communicator
 from zero3.helper_threads import HelperThreads
 from zero3.partition.quantize import BlockQuantizer
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 
 if TYPE_CHECKING:
     from zero3.partition.sharded_param import ShardedParam
@@ -217,9 +218,9 @@ class GradReduce:
         assert self.comm is not None, "a layout-only mesh cannot reduce"
         return self.comm.reduce_scatter_flat(output, full, async_op=True)
 
-
     def close(self) -> None:
-        """Let go of any helper (the engine is being destroyed)."""
+        """Let go of any helper thread (the engine is being destroyed): a plain reduction has none;
+        `QuantizedGradReduce` stops its own (the reducer's `close` calls this whichever it holds)."""
 
 
 class QuantizedReduction:

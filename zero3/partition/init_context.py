@@ -28,10 +28,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from zero3 import accelerator, comm
+from zero3 import accelerator, comm, default_group
 from zero3.config import Zero3Config, load_config
 from zero3.partition.collectives import ParamGather, gather_full_fp32
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.partitioner import Partitioner
 from zero3.partition.sharded_param import ShardedParam
 
@@ -284,7 +284,7 @@ class Init:
             self._nested = True  # the outer context partitions what is built in this one
             return self
         accelerator.set_device(self.device)
-        comm.join_default_group(self.device)
+        default_group.join_default_group(self.device)
         self.gather = ParamGather(ShardMesh.of_group(), comm.Communicator())
         self.partitioner = Partitioner(self.gather, self.device, self.dtype)
 

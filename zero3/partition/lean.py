@@ -27,7 +27,6 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from zero3.offload.optimizer_tier import masters_are_shards
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 from zero3.partition.unit import GatherUnit
@@ -70,6 +69,13 @@ class MasterCast:
         pieces = list(shard.split([sp.shard_numel for sp in unit.params]))
         torch._foreach_copy_(pieces, [slot.view() for slot in plan], non_blocking=True)
         return shard
+
+
+def masters_are_shards(compute_dtype: torch.dtype, offload_optimizer: str, offload_param: str) -> bool:
+    """Whether an engine's fp32 masters are its parameter shards themselves: an fp32 engine with both
+    in the same memory (neither tier offloaded) keeps one copy, not two (see zero3.runtime.optimizer's
+    [Note: masters that are the shards])."""
+    return compute_dtype == torch.float32 and offload_optimizer == "none" and offload_param == "none"
 
 
 def in_effect(lean_memory: bool, compute_dtype: torch.dtype, offload_optimizer: str, offload_param: str) -> bool:

@@ -36,7 +36,7 @@ import torch
 from zero3.comm import Communicator
 from zero3.partition.collectives import PendingGather, stand_in_nbytes, stand_in_room
 from zero3.partition.unit import GatherUnit
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 
 BITS_PER_WORD = 62  # units per int64 of the marker's bitmap (clear of the sign bit)
 

@@ -24,7 +24,7 @@ class MasterKeeper(Protocol):
     before their next use (alike on every rank)."""
 
     lp_stale: bool
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 
 ATTR = "_zero3"
 

@@ -14,6 +14,7 @@ A unit changes state only through its methods (`start_unshard`, `wait`,
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +28,6 @@ from zero3.partition.sharded_param import ShardedParam
 
 if TYPE_CHECKING:
     from zero3.step_protocol import StepProtocol
-    from zero3.partition.secondary import SecondaryShards
 
 
 class UnitState(Enum):
@@ -53,6 +53,27 @@ class ShardSource(Protocol):
     hands_over_fresh: bool
 
     def acquire(self, unit: "GatherUnit") -> torch.Tensor: ...
+
+
+class SecondaryRoute(Protocol):
+    """A second place a unit may be gathered from, beside its primary shards: hpZ's secondary shards
+    on the node (zero3.partition.secondary), kept where the engine keeps them."""
+
+    def usable(self, unit: "GatherUnit") -> bool:
+        """Whether the ranks agreed they hold `unit` there (so every rank gathers it from there)."""
+        ...
+
+    def start_gather(self, unit: "GatherUnit") -> PendingGather | None:
+        """The unit's all-gather from there; None where the unit is gathered from its primary shards."""
+        ...
+
+    def recorder(self, unit: "GatherUnit") -> Callable[[torch.Tensor], None] | None:
+        """What a primary gather of `unit` calls with its result when it completes, if anything."""
+        ...
+
+    def stand_in_nbytes(self, unit: "GatherUnit") -> int: ...
+
+    def start_stand_in(self, unit: "GatherUnit", reserve: torch.Tensor) -> PendingGather: ...
 
 
 # Each partitioned parameter's unit: the unit registers its parameters; a parameter keeps no pointer back.
@@ -111,7 +132,7 @@ class GatherUnit:
         # This rank's shard, brought in ahead of the gather that sends it (`prepare_gather`).
         self._prepared: torch.Tensor | None = None
         # hpZ's secondary shards, where the engine keeps them (zero3.partition.secondary).
-        self.secondary: SecondaryShards | None = None
+        self.secondary: SecondaryRoute | None = None
         # Whether the gathered values are the shards' own: False after a quantized gather (qwZ's codec on
         # `gather`), which only a pass's computation may read; a reader that keeps values asks for exact.
         self.exact_values = True

@@ -30,7 +30,6 @@ from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
-from zero3.offload.optimizer_tier import masters_are_shards
 from zero3.offload.param_tier import DiskShardTier
 from zero3.offload.tiers import (
     check_free_space, disk_needs, grad_device, lay_out_params, optimizer_states, step_device,
@@ -40,14 +39,15 @@ from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.partition.lean import go_lean, in_effect as lean_in_effect, lean_units
+from zero3.partition.lean import go_lean, in_effect as lean_in_effect, lean_units, masters_are_shards
 from zero3.partition.leaf_modules import mark_leaves
 from zero3.partition.partitioner import partition_model
 from zero3.partition.sharded_param import ATTR, ShardedParam, mark_released, sharded
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
 from zero3.runtime.coordinator import ParamCoordinator
+from zero3.runtime.early_step import EarlySteps
 from zero3.runtime.grad_hooks import BackwardPass
 from zero3.runtime.grad_reducer import GradientReducer
 from zero3.runtime.grad_shards import GradShards, made_on_demand
@@ -248,7 +248,8 @@ def build(
             go_lean(lean, {sp: slots.hp for sp, slots in optimizer.masters.items()}, device)
             optimizer.link_lp()
         if zc.offload_optimizer.super_offload:
-            early = optimizer.overlap_host_step()
+            early = EarlySteps(optimizer)
+            optimizer.overlap_host_step(early)
             reducer.on_landed, reducer.on_late_round = early.landed, early.late_gradients
     for sp in sharded_params:
         sp.hp_seed = None  # frozen parameters keep no master

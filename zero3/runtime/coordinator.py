@@ -61,7 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zero3.comm import Communicator
 from zero3.partition import param_dict
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState

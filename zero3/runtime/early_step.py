@@ -53,15 +53,41 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from zero3.helper_threads import HelperThreads
+from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.sharded_param import ShardedParam
+from zero3.runtime.grad_shards import GradShards
+from zero3.runtime.loss_scaler import LossScaler
+from zero3.runtime.optimizer_layout import ScalarSnapshot, SubGroup
 
-if TYPE_CHECKING:
-    from zero3.runtime.optimizer import ScalarSnapshot, ZeroOptimizer
+
+class HostStepper(Protocol):
+    """What the early steps use of the optimizer they step ahead of (zero3.runtime.optimizer's)."""
+
+    sub_groups: list[SubGroup]
+    states: OptimizerStates
+    grads: GradShards
+    fused: bool
+    loss_scaler: LossScaler
+    before_state_change: Callable[[], None]  # a save may be reading the state in place
+
+    @property
+    def step_device(self) -> torch.device: ...
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def scalar_snapshot(self) -> ScalarSnapshot: ...
+
+    def restore_scalars(self, snapshot: ScalarSnapshot) -> None: ...
+
+    def step_sub_group(self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
+                       found_inf: torch.Tensor | None, grad: torch.Tensor | None, fill_grad: bool) -> None: ...
 
 
 @dataclass
@@ -116,7 +142,7 @@ def _hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]
 class EarlySteps:
     """The overlapped host step of one optimizer (see the Note)."""
 
-    def __init__(self, optimizer: ZeroOptimizer) -> None:
+    def __init__(self, optimizer: HostStepper) -> None:
         self.optimizer = optimizer
         self.stats = EarlyStepStats()
         # Each parameter's sub-groups, and each sub-group's parameters (a parameter may span several).

@@ -25,11 +25,12 @@ from zero3 import accelerator
 from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
+from zero3.fault_tolerance.peer_state import PeerView, Recovered
 from zero3.fault_tolerance.replica_step import ReplicaStep
 from zero3.offload.tiers import check_tiers
 from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.unit import GatherUnit
 from zero3.runtime.build import build
 from zero3.runtime.engine_checkpoints import CheckpointMethods
@@ -147,8 +148,34 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if config.fault_tolerance.enabled:
             if self.optimizer is None:
                 raise ValueError(f"fault_tolerance.enabled {NO_OPTIMIZER}")
-            self.fault_tolerance = ReplicaStep(self)
+            grads = self.optimizer.grads
+            self.fault_tolerance = ReplicaStep(
+                config.fault_tolerance, grads.device if grads is not None else self.device, self.protocol,
+                self.comm.all_gather_objects, view=self._peer_view, apply=self._apply_recovered,
+            )
             self.optimizer.replica_step = self.fault_tolerance
+
+    def _peer_view(self) -> PeerView:
+        """What a recovering replica's peer reads of this engine, and a recovery writes into."""
+        return PeerView(
+            lp_buffers=self.parts.lp_buffers, sharded_params=self.parts.sharded_params,
+            shard=(self.mesh.shard_size, self.mesh.shard_rank), optimizer=self.optimizer,
+            counters=(self.global_steps, self.micro_steps, self.skipped_steps),
+            loss_scaler=self.loss_scaler.state_dict(),
+            lr_scheduler=None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            rank_state=self._rank_state,
+        )
+
+    def _apply_recovered(self, recovered: Recovered) -> None:
+        """A peer's state landed (its buffers and optimizer states written): the rest of it."""
+        if self.optimizer is not None:
+            self.optimizer.lp_stale = False  # the 16-bit shards came with the masters
+        self.global_steps, self.micro_steps, self.skipped_steps = recovered.counters
+        self.loss_scaler.load_state_dict(recovered.loss_scaler)
+        if self.lr_scheduler is not None and recovered.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(recovered.lr_scheduler)
+        if recovered.rank_state is not None:
+            self._apply_rank_state(recovered.rank_state)
 
     @property
     def all_units(self) -> list[GatherUnit]:
@@ -294,7 +321,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     # backward (a check on the loss) or between backward and step, while the
     # other ranks go on into the next forward's gathers, the backward's, or
     # the step's agreement. The step protocol records which one this rank
-    # owes (zero3.runtime.step_protocol: set when a call returned, cleared
+    # owes (zero3.step_protocol: set when a call returned, cleared
     # when the next one begins); `zero_grad`, called in the `except` clause,
     # then makes this rank's part of it as a rank that failed (an empty pass,
     # or the step's flags), so the others raise the exception too. A rank

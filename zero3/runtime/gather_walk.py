@@ -86,7 +86,7 @@ import torch.distributed as dist
 
 from zero3.comm import Communicator
 from zero3.partition.collectives import PendingGather
-from zero3.topology import ShardMesh
+from zero3.shard_mesh import ShardMesh
 from zero3.partition.unit import GatherUnit, UnitState
 
 log = logging.getLogger("zero3")

@@ -35,11 +35,10 @@ reduce-scatter's work never reports `is_completed()` in torch 2.13: its
 the calling thread. So on the CPU one helper thread waits on the reductions
 in order and says which have finished, and it is the only thread that calls
 `wait()` on them: the backward thread waits for the helper's answer instead.)
-The all-reduce across replicas (a mesh with a replicate group: `GradReduce.finish`)
-does not keep to this: it is a blocking collective, issued when a reduction
-lands, and a finished reduction lands during the backward too (when a bucket
-takes a slot), so on the CPU the backward thread can wait in it while the
-backward is still running on other ranks.
+Nothing here reduces across replicas (a mesh with a replicate group): the
+replicas sum the accumulated shards once a step, where every rank agrees on
+the step (`Communicator.all_reduce_replicas`, called by the optimizer's
+`agree_on_gradients`: zero3.comm's [Note: the replicas' sum, once a step]).
 In a world of one (no shard group, no replicas) there is nothing to reduce:
 a gradient goes straight into its region of `lp_grads` as it arrives, through
 the same rounding the bucket would give it (the communication dtype, then the

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from zero3 import accelerator, activation_checkpointing, comm
+from zero3 import accelerator, activation_checkpointing, comm, default_group
 from zero3.config import Zero3Config, load_config
 from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
@@ -45,7 +45,7 @@ def initialize(
     a scheduler factory taking the torch optimizer. `device` picks the device
     as `zero3.Init` does (see `zero3.accelerator.resolve_device`). `mesh` (a torch DeviceMesh over the
     whole job, FSDP2's way) lays the ranks out: 1-D shards over every rank, 2-D is (replicate, shard);
-    the engine makes groups of its own over the same ranks (zero3.topology's Note).
+    the engine makes groups of its own over the same ranks (zero3.topology's [Note: one topology]).
     """
     if config is not None and config_params is not None:
         raise ValueError("pass the config as `config` or `config_params`, not both")
@@ -79,8 +79,8 @@ def initialize(
         fault_tolerance.check_setup(cfg.fault_tolerance)  # before anything is built
     device = accelerator.resolve_device(device)
     accelerator.set_device(device)
-    comm.join_default_group(device, cfg.comm_timeout_s)
-    topology = Topology.build(device, comm.engine_timeout(cfg.comm_timeout_s), mesh,
+    default_group.join_default_group(device, cfg.comm_timeout_s)
+    topology = Topology.build(device, default_group.engine_timeout(cfg.comm_timeout_s), mesh,
                               cfg.zero_optimization.mics_shard_size, cfg.zero_optimization.zero_hpz_partition_size,
                               cfg.zero_optimization.zero_quantized_gradients)
     communicator = comm.Communicator(topology)

@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,12 +60,27 @@ from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
 from zero3.runtime.early_step import EarlySteps
+from zero3.runtime.optimizer_layout import ScalarSnapshot, SubGroup
 from zero3.runtime.grad_shards import GradShards, Piece
 from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
 
-if TYPE_CHECKING:
-    from zero3.fault_tolerance.replica_step import ReplicaStep
+
+class ReplicaVote(Protocol):
+    """What the step asks of torchft's replicas (zero3.fault_tolerance.replica_step), where it runs with them."""
+
+    def average(self, tensor: torch.Tensor) -> None:
+        """The replica groups' average of `tensor`, in place."""
+        ...
+
+    def commit(self) -> bool:
+        """The quorum's vote on this step (a recovering group takes its peer's state in it)."""
+        ...
+
+    def abandon(self) -> None:
+        """The step raised on every rank of the group before its vote."""
+        ...
+
 
 NOT_APPLIED = " (the step was applied on no rank)"
 
@@ -102,33 +116,6 @@ def master_slots(sp: ShardedParam) -> MasterSlots | None:
     outside the step (the accessors): settled first (`settle_for_accessor`)."""
     settle_for_accessor(sp)
     return _MASTERS.get(sp)
-
-
-@dataclass
-class ScalarSnapshot:
-    """Pieces without state (`fresh`), and the others' scalar state: 0-dim tensors stacked per name,
-    anything else (`loose`) copied one by one."""
-
-    fresh: list[nn.Parameter]
-    stacked: dict[str, tuple[list[nn.Parameter], torch.Tensor]]
-    loose: list[tuple[nn.Parameter, str, Any]]
-
-
-@dataclass
-class SubGroup:
-    offset: int
-    numel: int
-    pieces: list[Piece]
-    masters: list[nn.Parameter]  # one per piece
-    group_index: int = 0  # its parameter group
-    muon: bool = False  # its matrices step with Muon (zero3.optim.muon)
-    # Its pieces' runs in the 16-bit shard buffers: (buffer, offset there, offset here, elements).
-    lp_runs: list[tuple[FlatBuffer, int, int, int]] = field(default_factory=list)
-
-    @cached_property
-    def piece_numels(self) -> list[int]:
-        """Each piece's elements, in order: how its gradients are cut, in one `split`, at every step."""
-        return [piece.numel for piece in self.pieces]
 
 
 class ZeroOptimizer:
@@ -238,7 +225,7 @@ class ZeroOptimizer:
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         # With fault_tolerance: the replicas' average and the step's commit vote go through torchft
         # (zero3.fault_tolerance.replicas' Note); `dropped` says the last step's vote was no.
-        self.replica_step: ReplicaStep | None = None
+        self.replica_step: ReplicaVote | None = None
         self.dropped = False
         self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
         # Called before anything here changes the masters, moments or 16-bit shards: an async save may be
@@ -259,17 +246,16 @@ class ZeroOptimizer:
         # ZeRO-Offload's step begun during the backward (zero3.runtime.early_step), where the engine asks.
         self.early: EarlySteps | None = None
 
-    def overlap_host_step(self) -> EarlySteps:
-        """Step each sub-group on a host thread as its gradients land (see zero3.runtime.early_step's Note)."""
+    def overlap_host_step(self, early: EarlySteps) -> None:
+        """Step each sub-group on a host thread as its gradients land, by `early` (see zero3.runtime.early_step's
+        Note); the engine's build makes it and wires the reducer's landings to it."""
         if self.exchange is not None:
             raise ValueError("offload_optimizer.super_offload steps each sub-group on its own as its gradients "
                              "land; Muon's step needs whole matrices across sub-groups: use one or the other")
         if self.states.transactional or self.step_device.type != "cpu":
             raise ValueError("the overlapped host step needs the optimizer state in host memory (offload_optimizer "
                              "device 'cpu')")
-        if self.early is None:
-            self.early = EarlySteps(self)
-        return self.early
+        self.early = early
 
     def undo_early_steps(self, why: str) -> None:
         """Put back what the backward's early steps changed (someone outside the step needs the state)."""

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero3.accessors import safe_set_full_optimizer_state
 from zero3.checkpoint import deepspeed_files
-from zero3.checkpoint.data_files import saves_without_crc
 from zero3.checkpoint.tags import CheckpointError
+from zero3.runtime.initialize import initialize
 
 TRUST_NEEDED = (
     "DeepSpeed's checkpoint files are Python pickles, and unpickling a file can run code it carries: pass "
@@ -94,7 +95,7 @@ def import_deepspeed_checkpoint(
 
 
 def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
-    import zero3
+    from zero3.checkpoint.data_files import saves_without_crc  # (DCP: imported by the first save)
 
     cfg: dict[str, Any] = {k: copy.deepcopy(v) for k, v in state.ds_config.items() if k not in _NOT_THE_RUN}
     cfg |= _batch(state)
@@ -107,7 +108,7 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
     groups = [{"params": [named[name] for name in names],
                **{k: v for k, v in options.items() if k in ("weight_decay", "betas", "eps", "amsgrad")}}
               for names, options in zip(state.groups, state.group_options)]
-    engine, optimizer, _, scheduler = zero3.initialize(model=model, model_parameters=groups, config=cfg,
+    engine, optimizer, _, scheduler = initialize(model=model, model_parameters=groups, config=cfg,
                                                         device="cpu")
     try:
         if optimizer is None:
@@ -117,7 +118,7 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
         optimizer.set_states({sharded[name]: {"step": torch.tensor(state.steps[name])} for name in named})
         for name, param in named.items():
             for key, value in state.moments[name].items():
-                zero3.safe_set_full_optimizer_state(param, value, key)
+                safe_set_full_optimizer_state(param, value, key)
         for group, options in zip(optimizer.param_groups, state.group_options):
             group["lr"] = options["lr"]
         if scheduler is not None and state.lr_scheduler is not None:

@@ -1,0 +1,33 @@
+"""Precision: the `bf16` and `fp16` sections, and `data_types` (the dtype names the config accepts)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from zero3.config.base import _Model
+
+
+class BF16Config(_Model):
+    enabled: bool = False
+
+
+class FP16Config(_Model):
+    enabled: bool = False
+    loss_scale: float = Field(default=0.0, ge=0)  # 0 = dynamic loss scaling
+    initial_scale_power: int = Field(default=16, ge=0, le=64)
+    loss_scale_window: int = Field(default=1000, gt=0)
+    hysteresis: int = Field(default=2, gt=0)
+    min_loss_scale: float = Field(default=1.0, gt=0)
+    consecutive_hysteresis: bool = False
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DtypeName = Literal["fp32", "fp16", "bf16"]
+
+
+class DataTypesConfig(_Model):
+    # The dtype gradients accumulate in across micro-steps (None: the compute dtype).
+    grad_accum_dtype: _DtypeName | None = None
