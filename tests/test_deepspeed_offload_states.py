@@ -6,8 +6,8 @@ at 2 ranks on the CPU, and at a world of one on CUDA where a device is (two nccl
 As there, each case trains a step of `SimpleModel(1024, nlayers=4)` in bf16, offloads the included states to
 the host, asks `get_state_devices` where each is (the host; nothing for the freed scratch bucket), reloads,
 and checks every state bit for bit and where it is again (the optimizer's device for the optimizer's states
-and the gradients, the accelerator for the rest). Where DeepSpeed reads its private buffers, the port reads
-zero3's public getters (`safe_get_local_grad` for `grad_partitions_flat_buffer`). Device memory is checked
+and the gradients, the accelerator for the rest). The gradients are read as DeepSpeed reads them
+(`engine.optimizer.grad_partitions_flat_buffer`) and by zero3's getters. Device memory is checked
 where there is a device: a CPU engine's states already live in host memory, so an offload to the host moves
 nothing there (zero3.offload.manager logs it). DeepSpeed's `validate_device` tells the offload's check from
 the reload's by the device ("cpu": the scratch bucket must be gone), which on a CPU accelerator is both; the
@@ -90,7 +90,7 @@ def device_problems(engine: zero3.ZeroEngine, state_device: dict[OffloadStateTyp
     return problems
 
 
-def local_states(model: torch.nn.Module) -> dict[str, list[torch.Tensor | None]]:
+def local_states(engine: zero3.ZeroEngine, model: torch.nn.Module) -> dict[str, list[torch.Tensor | None]]:
     def cloned(value: torch.Tensor | None) -> torch.Tensor | None:
         return value.clone() if value is not None else None
 
@@ -99,6 +99,7 @@ def local_states(model: torch.nn.Module) -> dict[str, list[torch.Tensor | None]]
         "hp_params": [cloned(zero3.safe_get_local_fp32_param(p)) for p in params],
         "lp_params": [p.ds_tensor.clone() for p in params],
         "lp_grads": [cloned(zero3.safe_get_local_grad(p)) for p in params],
+        "grad_partitions_flat_buffer": [engine.optimizer.grad_partitions_flat_buffer.clone()],
         "exp_avg": [cloned(zero3.safe_get_local_optimizer_state(p, "exp_avg")) for p in params],
         "exp_avg_sq": [cloned(zero3.safe_get_local_optimizer_state(p, "exp_avg_sq")) for p in params],
     }
@@ -134,7 +135,7 @@ def one_case(engine: zero3.ZeroEngine, model: torch.nn.Module, batches: list[tup
         loss = engine(x.to(accelerator), y.to(accelerator))
         engine.backward(loss)
         engine.step()
-        expected = local_states(model)
+        expected = local_states(engine, model)
 
         before_offload = allocated(accelerator)
         engine.offload_states(include=offloaded, device="cpu", pin_memory=pin_memory, non_blocking=non_blocking)
@@ -150,7 +151,7 @@ def one_case(engine: zero3.ZeroEngine, model: torch.nn.Module, batches: list[tup
         if expect_memory_change and after_offload is not None and after_reload is not None \
                 and not after_reload > after_offload:
             problems.append(f"device memory should grow after reload: {after_offload} -> {after_reload}")
-        problems += [f"{name} changed across offload and reload" for name in changed(expected, local_states(model))]
+        problems += [f"{name} changed across offload and reload" for name in changed(expected, local_states(engine, model))]
         problems += [f"after reload_states: {p}" for p in device_problems(engine, reload_device, offloaded, False)]
     return problems
 

@@ -199,17 +199,22 @@ def deepspeed_script(rank: int, world: int, ds_config: dict, checkpointed: bool,
         rank_seen, world_seen = rank, world
         full = zero3.safe_get_full_fp32_param
     data = torch.Generator().manual_seed(1)
-    losses = []
+    losses, flat_buffer = [], []
     for _ in range(4):
         x = torch.randn(2 * world, 16, generator=data)
         y = torch.randint(0, 4, (2 * world,), generator=data)
         loss = engine(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
         engine.backward(loss)
+        if api == "deepspeed":  # DeepSpeed's name for the gradient shards, beside zero3's getter
+            shards = torch.cat([zero3.safe_get_local_grad(sp.param).reshape(-1) for sp in engine.optimizer.params])
+            flat_buffer.append((engine.optimizer.grad_partitions_flat_buffer.clone(), shards))
         engine.step()
         losses.append(loss.item())
+    after_step = engine.optimizer.grad_partitions_flat_buffer.clone() if api == "deepspeed" else None
     params = {name: full(p).clone() for name, p in engine.module.named_parameters()}
     engine.destroy()
-    return {"losses": losses, "params": params, "rank": rank_seen, "world": world_seen}
+    return {"losses": losses, "params": params, "rank": rank_seen, "world": world_seen, "flat_buffer": flat_buffer,
+            "after_step": after_step}
 
 
 CONFIG = {
@@ -230,6 +235,9 @@ def test_a_deepspeed_script_with_only_its_import_changed_trains_as_zero3_does() 
         assert (a["rank"], a["world"]) == (rank, 2)
         assert a["losses"] == b["losses"], (a["losses"], b["losses"])
         assert all(torch.equal(a["params"][name], b["params"][name]) for name in b["params"])
+        for flat, shards in a["flat_buffer"]:  # between backward and step: this rank's gradient shards
+            assert torch.equal(flat, shards) and flat.abs().sum() > 0
+        assert not a["after_step"].any()  # the step consumed them
 
 
 def test_activation_checkpointing_refuses_model_parallel_settings_before_building() -> None:

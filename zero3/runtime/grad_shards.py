@@ -228,6 +228,14 @@ class GradShards:
             return self.view(sp)
         return torch.zeros(sp.shard_numel, dtype=self._dtype, device=self._device)
 
+    def flat(self) -> torch.Tensor:
+        """Every shard in the flat layout, as one tensor: the flat buffer itself, or, on demand, a copy of
+        the shards held (zeros where none is), which nothing writes back."""
+        if self.buffer is not None:
+            return self.buffer.tensor
+        return torch.cat([self.read(sp) for sp in self.params]) if self.params else \
+            torch.zeros(0, dtype=self._dtype, device=self._device)
+
     def views(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         return [self.view(sp) for sp in params]
 

@@ -835,6 +835,14 @@ class ZeroOptimizer:
             self._write_lp(sub, self.hp_params.read_range(sub.offset, sub.numel))
         self.lp_stale = False
 
+    # ---- DeepSpeed's names, for code written against its stage-3 optimizer ----------------------
+    @property
+    def grad_partitions_flat_buffer(self) -> torch.Tensor:
+        """This rank's gradient shards as one flat tensor, DeepSpeed's `grad_partitions_flat_buffer`: the live
+        buffer where they have one; where they are made on demand, a copy of those held, zeros elsewhere
+        (between steps: all zeros, as they hold no memory then)."""
+        return self.grads.flat()
+
     def close(self) -> None:
         """Free the tier's buffers and forget the parameters (the engine is being destroyed)."""
         if self.early is not None:
