@@ -103,7 +103,32 @@ def test_the_masters_are_deepspeeds_own_reconstruction(deepspeed_runs: dict[str,
         ours = deepspeed_files.read(run / "ckpt", trusted=True)
         assert ours.world_size == 2 and ours.global_steps == 3 and ours.client_state == {"data_position": 24}
         assert set(ours.masters) | set(ours.buffers) == set(theirs)
-        assert all(torch.equal(ours.masters[name], theirs[name].float()) for name in ours.masters)
+        assert all(torch.equal(ours.masters[name].whole(), theirs[name].float()) for name in ours.masters)
+
+
+def test_zero_to_fp32_reads_deepspeeds_own_directories(deepspeed_runs: dict[str, Path], tmp_path: Path) -> None:
+    """zero3.deepspeed.utils.zero_to_fp32 on a DeepSpeed directory: DeepSpeed's own script's answer, the
+    safetensors file too; refused without trust_checkpoint (the files are pickles), writing nothing."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as deepspeeds
+    from safetensors.torch import load_file
+
+    from zero3.checkpoint.tags import CheckpointError
+    from zero3.deepspeed.utils import zero_to_fp32
+
+    ckpt = deepspeed_runs["bf16"] / "ckpt"
+    theirs = deepspeeds(str(ckpt))
+    ours = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt, trust_checkpoint=True)
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    files = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "out", trust_checkpoint=True)
+    assert [f.name for f in files] == ["model.safetensors"]
+    written = load_file(files[0])
+    assert set(written) == set(theirs) and all(torch.equal(written[name], theirs[name]) for name in theirs)
+    with pytest.raises(CheckpointError, match="trust_checkpoint=True"):
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="trust_checkpoint=True"):
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def refusal(src: Path, out: Path, *flags: str) -> str:

@@ -1,11 +1,12 @@
 """`zero3 import-deepspeed SRC OUT --trust-checkpoint`: a DeepSpeed ZeRO-3 checkpoint as a zero3 one.
 
-The DeepSpeed tag is read whole (zero3.checkpoint.deepspeed_files), then written by zero3's own save: a
-module of the checkpoint's parameter names and shapes (it never runs) is made an engine of one rank with
-the run's config, its masters, Adam moments and step counts, schedule, loss scale and counters are set to
-DeepSpeed's, and `save_checkpoint` writes the tag. The result is an ordinary zero3 checkpoint: it loads
-at any world size into the real model, which checks the names and shapes as any load does. The output
-is written beside OUT and moved into place once complete: a refusal or a failure leaves nothing.
+The DeepSpeed tag is read (zero3.checkpoint.deepspeed_files), then written by zero3's own save: a module
+of the checkpoint's parameter names and shapes (on the meta device: it never runs) is made an engine of
+one rank with the run's config; DeepSpeed's pieces of each master and Adam moment are written straight
+into the engine's buffers, its step counts, schedule, loss scale and counters are set to DeepSpeed's, and
+`save_checkpoint` writes the tag. The result is an ordinary zero3 checkpoint: it loads at any world size
+into the real model, which checks the names and shapes as any load does. The output is written beside
+OUT and moved into place once complete: a refusal or a failure leaves nothing.
 """
 
 from __future__ import annotations
@@ -21,30 +22,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero3.accessors import safe_set_full_optimizer_state
 from zero3.checkpoint import deepspeed_files
 from zero3.checkpoint.tags import CheckpointError
+from zero3.partition.flat_buffer import Slot
 from zero3.runtime.initialize import initialize
 
-TRUST_NEEDED = (
-    "DeepSpeed's checkpoint files are Python pickles, and unpickling a file can run code it carries: pass "
-    "trust_checkpoint=True (the CLI's --trust-checkpoint) for a checkpoint you made or trust. Even then zero3 "
-    "reads them under an allowlist of what DeepSpeed's files hold (tensors, containers, its enums). Nothing "
-    "was written."
-)
 # Keys of DeepSpeed's config that describe its own machinery, not the run: left out of the importing engine.
 _NOT_THE_RUN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "checkpoint")
 
 
 class _Parameters(nn.Module):
-    """The checkpoint's parameters and buffers under their names (the model's structure, nothing else),
-    each parameter holding DeepSpeed's fp32 master: an engine's masters start from its parameters' values."""
+    """The checkpoint's parameters (on the meta device: shapes, no values) and buffers under their names:
+    the model's structure, nothing else."""
 
     def __init__(self, state: deepspeed_files.DeepSpeedState) -> None:
         super().__init__()
         for name in [name for group in state.groups for name in group]:
             owner, leaf = self._owner(name)
-            owner.register_parameter(leaf, nn.Parameter(state.masters[name]))
+            owner.register_parameter(leaf, nn.Parameter(torch.empty(state.shapes[name], device="meta")))
         for name, value in state.buffers.items():
             owner, leaf = self._owner(name)
             owner.register_buffer(leaf, value.clone())
@@ -74,7 +69,7 @@ def import_deepspeed_checkpoint(
     (the same tag name, `latest` naming it); returns the tag's path. One process, outside any job's
     process group: the CLI is the way to run it."""
     if not trust_checkpoint:
-        raise CheckpointError(f"import of {str(src)!r} refused: {TRUST_NEEDED}")
+        raise CheckpointError(f"import of {str(src)!r} refused: {deepspeed_files.TRUST_NEEDED}")
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise CheckpointError("import_deepspeed_checkpoint runs in one process (the `zero3 import-deepspeed` "
                               "command), not inside a job of several ranks")
@@ -84,7 +79,7 @@ def import_deepspeed_checkpoint(
     state = deepspeed_files.read(src, tag, trusted=trust_checkpoint)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent if out.parent.exists() else None))
     try:
-        _write(state, staging)
+        _save(state, staging)
         if out.exists():
             out.rmdir()
         shutil.move(str(staging), out)
@@ -94,7 +89,7 @@ def import_deepspeed_checkpoint(
     return out / state.path.name
 
 
-def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
+def _save(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
     from zero3.checkpoint.data_files import saves_without_crc  # (DCP: imported by the first save)
 
     cfg: dict[str, Any] = {k: copy.deepcopy(v) for k, v in state.ds_config.items() if k not in _NOT_THE_RUN}
@@ -116,9 +111,12 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
                                   "training checkpoint (masters and optimizer states)")
         sharded = {sp.name: sp for sp in engine.sharded_params}
         optimizer.set_states({sharded[name]: {"step": torch.tensor(state.steps[name])} for name in named})
-        for name, param in named.items():
-            for key, value in state.moments[name].items():
-                safe_set_full_optimizer_state(param, value, key)
+        for name in named:
+            slots = optimizer.masters[sharded[name]]
+            _write(slots.hp, state.masters[name])
+            for key, pieces in state.moments[name].items():
+                _write(slots.moments[key], pieces)
+        optimizer.lp_stale = True  # the 16-bit shards are written from the masters before any use
         for group, options in zip(optimizer.param_groups, state.group_options):
             group["lr"] = options["lr"]
         if scheduler is not None and state.lr_scheduler is not None:
@@ -137,3 +135,12 @@ def _write(state: deepspeed_files.DeepSpeedState, directory: Path) -> None:
         engine.destroy()
         if created_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _write(slot: Slot, pieces: deepspeed_files.Pieces) -> None:
+    """A parameter's whole tensor into its slot (the engine is of one rank: its shard is the whole), each
+    rank's piece copied once from the mapped file."""
+    if slot.numel < pieces.numel:
+        raise CheckpointError(f"a slot of {slot.numel} elements for a tensor of {pieces.numel}")
+    for start, piece in pieces.ranges():
+        slot.buffer.write_range(slot.offset + start, piece)

@@ -1,6 +1,7 @@
-"""A DeepSpeed ZeRO-3 checkpoint directory, read whole: every parameter's fp32 master and Adam moments put
-back together from the ranks' flat partitions, with the step, the schedule, the counters and the client's
-state.
+"""A DeepSpeed ZeRO-3 checkpoint directory, read: every parameter's fp32 master and Adam moments as the
+ranks' pieces of their flat partitions (`Pieces`: written where they go, or joined whole), with the step,
+the schedule, the counters and the client's state. The files are mapped, not read into memory: a piece's
+bytes are read once, by the copy that puts them where they go.
 
 [Note: DeepSpeed's ZeRO-3 layout]
 A tag holds, per data-parallel rank r, `zero_pp_rank_<r>_mp_rank_00_model_states.pt` (the module's
@@ -35,6 +36,12 @@ from zero3.checkpoint.tags import CheckpointError
 LATEST = "latest"
 _MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+TRUST_NEEDED = (
+    "DeepSpeed's checkpoint files are Python pickles, and unpickling a file can run code it carries: pass "
+    "trust_checkpoint=True (the CLI's --trust-checkpoint) for a checkpoint you made or trust. Even then zero3 "
+    "reads them under an allowlist of what DeepSpeed's files hold (tensors, containers, its enums). Nothing "
+    "was written."
+)
 
 
 class _ZeroStageEnum(enum.IntEnum):
@@ -58,17 +65,51 @@ for _stand_in, _module, _name in ((_ZeroStageEnum, "deepspeed.runtime.zero.confi
     _stand_in.__module__, _stand_in.__qualname__, _stand_in.__name__ = _module, _name, _name
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """One parameter's fp32 tensor as DeepSpeed's ranks hold it: rank r's `piece` elements at `offset` of
+    its flat partition are elements [r * piece, (r + 1) * piece) of the flattened tensor, the last rank's
+    cut to `shape`'s numel."""
+
+    parts: tuple[torch.Tensor, ...]  # each rank's flat partition
+    offset: int
+    piece: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def ranges(self) -> list[tuple[int, torch.Tensor]]:
+        """(start in the flattened tensor, the rank's piece there), rank by rank, pieces of padding left out."""
+        out = []
+        for rank, part in enumerate(self.parts):
+            start = rank * self.piece
+            if start >= self.numel:
+                break
+            take = min(self.piece, self.numel - start)
+            out.append((start, part[self.offset : self.offset + take]))
+        return out
+
+    def whole(self) -> torch.Tensor:
+        """The tensor joined, in a tensor of its own (one copy)."""
+        whole = torch.empty(self.numel, dtype=torch.float32)
+        for start, piece in self.ranges():
+            whole[start : start + piece.numel()].copy_(piece)
+        return whole.view(self.shape)
+
+
 @dataclass
 class DeepSpeedState:
-    """One DeepSpeed ZeRO-3 tag, every piece whole."""
+    """One DeepSpeed ZeRO-3 tag: the tensors as the ranks' pieces, the rest as read."""
 
     path: Path  # the tag's directory
     world_size: int
     groups: list[list[str]]  # parameter names per optimizer param group, in DeepSpeed's order
     group_options: list[dict[str, Any]]  # each group's hyperparameters (torch's param_groups, lr included)
     shapes: dict[str, torch.Size]
-    masters: dict[str, torch.Tensor]  # fp32, whole
-    moments: dict[str, dict[str, torch.Tensor]]  # name -> {"exp_avg": ..., "exp_avg_sq": ...}
+    masters: dict[str, Pieces]  # fp32
+    moments: dict[str, dict[str, Pieces]]  # name -> {"exp_avg": ..., "exp_avg_sq": ...}
     steps: dict[str, float]  # name -> Adam's step count
     buffers: dict[str, torch.Tensor]
     lr_scheduler: dict[str, Any] | None
@@ -78,6 +119,7 @@ class DeepSpeedState:
     skipped_steps: int
     ds_config: dict[str, Any]
     client_state: dict[str, Any] = field(default_factory=dict)
+    shared_params: dict[str, str] = field(default_factory=dict)  # a tied parameter's name -> the saved one's
 
 
 # What DeepSpeed itself puts at the top level of a model-states file; everything else is the client's.
@@ -90,17 +132,17 @@ _ENGINE_KEYS = {
 
 
 def read_file(path: Path, trusted: bool) -> dict[str, Any]:
-    """One of DeepSpeed's files, under the allowlist (and, if `trusted` and the allowlist does not suffice,
-    by plain unpickling, which needs DeepSpeed's classes installed)."""
+    """One of DeepSpeed's files, mapped, under the allowlist (and, if `trusted` and the allowlist does not
+    suffice, by plain unpickling, which needs DeepSpeed's classes installed)."""
     try:
         with torch.serialization.safe_globals([_ZeroStageEnum, _LossScaler, _DynamicLossScaler, OrderedDict,
                                                torch.Size]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
         if not trusted:
             raise CheckpointError(f"{str(path)!r} holds more than DeepSpeed's tensors, containers and enums "
                                   f"({str(error).splitlines()[0]})") from error
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except FileNotFoundError as error:
         raise CheckpointError(f"{str(path)!r} is missing") from error
 
@@ -117,6 +159,31 @@ def resolve_tag(src: Path, tag: str | None) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"DeepSpeed tag {tag!r} not found in {str(src)!r}")
     return path
+
+
+def holds_deepspeed_tag(src: str | Path, tag: str | None = None) -> bool:
+    """Whether `src` is a DeepSpeed ZeRO checkpoint directory (its `latest`, or `tag`, names a directory of
+    DeepSpeed's rank files) rather than a zero3 one."""
+    src = Path(src)
+    if tag is None:
+        marker = src / LATEST
+        if not marker.is_file():
+            return False
+        tag = marker.read_text().strip()
+    path = src / tag
+    return path.is_dir() and any(_MODEL_FILE.fullmatch(f.name) or f.name.startswith("mp_rank_")
+                                 for f in path.iterdir())
+
+
+def whole_weights(state: DeepSpeedState) -> dict[str, torch.Tensor]:
+    """The module's buffers as saved, every parameter's fp32 master joined, and each tied name beside the
+    one it shares: DeepSpeed's own zero_to_fp32 script's dict, in its order."""
+    weights = {name: value.clone() for name, value in state.buffers.items()}
+    weights |= {name: state.masters[name].whole() for group in state.groups for name in group}
+    for alias, source in state.shared_params.items():
+        if source in weights:
+            weights[alias] = weights[source]
+    return weights
 
 
 def _rank_files(path: Path) -> set[int]:
@@ -178,20 +245,20 @@ def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> Deep
     sub_groups = [OrderedDict(group) for group in first["param_shapes"]]
     shapes = {name: torch.Size(shape) for group in sub_groups for name, shape in group.items()}
     inner = [optim["optimizer_state_dict"] for optim in optims]
-    masters: dict[str, torch.Tensor] = {}
-    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    masters: dict[str, Pieces] = {}
+    per_param: dict[str, dict[str, Pieces]] = {}
     steps: dict[str, float] = {}
     for index, group in enumerate(sub_groups):
         # Each rank's flat partition of this sub-group, and its moments: one tensor each.
-        flats = [optim["fp32_flat_groups"][index] for optim in optims]
-        moments = {key: [inner[r]["state"][index][key] for r in range(world)] for key in MOMENTS}
+        flats = tuple(optim["fp32_flat_groups"][index] for optim in optims)
+        moments = {key: tuple(inner[r]["state"][index][key] for r in range(world)) for key in MOMENTS}
         step = float(torch.as_tensor(inner[0]["state"][index]["step"]))
         offset = 0
         for name, shape in group.items():
             numel = math.prod(shape)
             piece = -(-numel // world)
-            masters[name] = _joined(flats, offset, piece, numel, shape)
-            per_param[name] = {key: _joined(moments[key], offset, piece, numel, shape) for key in MOMENTS}
+            masters[name] = Pieces(flats, offset, piece, torch.Size(shape))
+            per_param[name] = {key: Pieces(moments[key], offset, piece, torch.Size(shape)) for key in MOMENTS}
             steps[name] = step
             offset += piece
         if any(flat.numel() != offset for flat in flats):
@@ -217,17 +284,6 @@ def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> Deep
         global_steps=int(first.get("global_steps", 0)), global_samples=int(first.get("global_samples", 0)),
         skipped_steps=int(first.get("skipped_steps", 0)), ds_config=ds_config,
         client_state={k: v for k, v in first.items() if k not in _ENGINE_KEYS},
+        shared_params={alias: source for alias, source in (first.get("shared_params") or {}).items()},
     )
 
-
-def _joined(parts: list[torch.Tensor], offset: int, piece: int, numel: int, shape: torch.Size) -> torch.Tensor:
-    """One parameter's tensor, whole, in fp32: each rank's `piece` at `offset`, joined and cut to `numel`
-    (one copy, into a tensor of its own)."""
-    whole = torch.empty(numel, dtype=torch.float32)
-    for rank, part in enumerate(parts):
-        start = rank * piece
-        if start >= numel:
-            break
-        take = min(piece, numel - start)
-        whole[start : start + take].copy_(part[offset : offset + take])
-    return whole.view(shape)

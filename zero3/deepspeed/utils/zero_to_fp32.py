@@ -1,8 +1,9 @@
 """`deepspeed.utils.zero_to_fp32`: a checkpoint's whole fp32 weights, offline (one process, no GPU).
 
-For zero3's checkpoints (any world size): `zero3.checkpoint.export` reads each parameter whole from its
-chunks. The names are DeepSpeed's; DeepSpeed's own checkpoint directories are imported first
-(`zero3 import-deepspeed`), which is not offered yet.
+For zero3's checkpoints (any world size), `zero3.checkpoint.export` reads each parameter whole from its
+chunks; for DeepSpeed's own ZeRO-3 directories (pickles: `trust_checkpoint=True` is the opt-in),
+`zero3.checkpoint.deepspeed_files` joins each master from the ranks' flat partitions, as DeepSpeed's own
+script does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from zero3.checkpoint import deepspeed_files
 from zero3.checkpoint.export import export
+from zero3.checkpoint.tags import CheckpointError
+from zero3.checkpoint.weights import ShardedSafetensors, parse_size
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
 
@@ -26,6 +30,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     if exclude_frozen_parameters:
         raise NotImplementedError("exclude_frozen_parameters=True: zero3's checkpoints do not mark frozen "
                                   "parameters apart; filter the returned dict by the model's requires_grad")
+    if deepspeed_files.holds_deepspeed_tag(checkpoint_dir, tag):
+        return deepspeed_files.whole_weights(_read_deepspeed(checkpoint_dir, tag, trust_checkpoint))
     with tempfile.TemporaryDirectory() as out:
         files = export(checkpoint_dir, out, dtype="fp32", tag=tag, trust_checkpoint=trust_checkpoint)
         state: dict[str, torch.Tensor] = {}
@@ -42,13 +48,25 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                                                trust_checkpoint: bool = False) -> list[Path]:
     """Write the checkpoint's fp32 weights under `output_dir` as safetensors (Hugging Face's sharded layout
     above `max_shard_size`); returns the files written."""
-    from zero3.checkpoint.weights import parse_size
-
     if not safe_serialization:
         raise NotImplementedError("safe_serialization=False: zero3 writes weights as safetensors only "
                                   "(a pickle is code to whoever loads it)")
     if exclude_frozen_parameters:
         raise NotImplementedError("exclude_frozen_parameters=True: zero3's checkpoints do not mark frozen "
                                   "parameters apart")
+    if deepspeed_files.holds_deepspeed_tag(checkpoint_dir, tag):
+        state = _read_deepspeed(checkpoint_dir, tag, trust_checkpoint)
+        writer = ShardedSafetensors(output_dir, "model.safetensors", parse_size(max_shard_size))
+        for name, value in deepspeed_files.whole_weights(state).items():
+            writer.add(name, value)
+        return writer.close()
     return export(checkpoint_dir, output_dir, dtype="fp32", max_shard_bytes=parse_size(max_shard_size), tag=tag,
                   trust_checkpoint=trust_checkpoint)
+
+
+def _read_deepspeed(checkpoint_dir: str | os.PathLike[str], tag: str | None,
+                    trust_checkpoint: bool) -> deepspeed_files.DeepSpeedState:
+    if not trust_checkpoint:
+        raise CheckpointError(f"reading DeepSpeed checkpoint {str(checkpoint_dir)!r} refused: "
+                              f"{deepspeed_files.TRUST_NEEDED}")
+    return deepspeed_files.read(checkpoint_dir, tag, trusted=True)
