@@ -164,15 +164,11 @@ def resolve_tag(src: Path, tag: str | None) -> Path:
 def holds_deepspeed_tag(src: str | Path, tag: str | None = None) -> bool:
     """Whether `src` is a DeepSpeed ZeRO checkpoint directory (its `latest`, or `tag`, names a directory of
     DeepSpeed's rank files) rather than a zero3 one."""
-    src = Path(src)
-    if tag is None:
-        marker = src / LATEST
-        if not marker.is_file():
-            return False
-        tag = marker.read_text().strip()
-    path = src / tag
-    return path.is_dir() and any(_MODEL_FILE.fullmatch(f.name) or f.name.startswith("mp_rank_")
-                                 for f in path.iterdir())
+    try:
+        path = resolve_tag(Path(src), tag)
+    except CheckpointError:
+        return False
+    return any(_MODEL_FILE.fullmatch(f.name) or f.name.startswith("mp_rank_") for f in path.iterdir())
 
 
 def whole_weights(state: DeepSpeedState) -> dict[str, torch.Tensor]:
@@ -284,6 +280,6 @@ def read(src: str | Path, tag: str | None = None, trusted: bool = False) -> Deep
         global_steps=int(first.get("global_steps", 0)), global_samples=int(first.get("global_samples", 0)),
         skipped_steps=int(first.get("skipped_steps", 0)), ds_config=ds_config,
         client_state={k: v for k, v in first.items() if k not in _ENGINE_KEYS},
-        shared_params={alias: source for alias, source in (first.get("shared_params") or {}).items()},
+        shared_params=dict(first.get("shared_params") or {}),
     )
 
