@@ -77,9 +77,11 @@ class MemoryOptimizerStates:
     transactional = False
 
     def __init__(self, names: tuple[str, ...], numel: int, device: torch.device, pin: bool) -> None:
+        # The optimizer writes every master from its shard as it lays them out: only the states start as zeros.
         self.buffers = {
             name: FlatBuffer(
-                name, torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin), state=_state_of(name)
+                name, (torch.empty if name == "hp_params" else torch.zeros)(
+                    numel, dtype=torch.float32, device=device, pin_memory=pin), state=_state_of(name)
             )
             for name in names
         }

@@ -135,7 +135,9 @@ def consolidate_lp(
 ) -> FlatBuffer:
     """Move these units' shards into ONE flat 16-bit buffer (part or all of the `lp_params` state);
     `source` brings each unit's shard to the compute device when the buffer is not there."""
-    flat = FlatBuffer.zeros(name, sum(unit.shard_numel for unit in units), dtype, device, state="lp_params")
+    # Every element is copied below (the units' slots tile the buffer): no fill first.
+    flat = FlatBuffer(name, torch.empty(sum(unit.shard_numel for unit in units), dtype=dtype, device=device),
+                      state="lp_params")
     cursor = 0
     for unit in units:
         shards = [sp.lp_slot.read() for sp in unit.params]  # type: ignore[union-attr]

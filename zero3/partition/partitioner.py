@@ -97,33 +97,35 @@ class Partitioner:
             ShardedParam(p, f"{label}.{name}" if label else name, self.gather.mesh, self.dtype, self.device)
             for name, p in fresh
         ]
-        seeds = [sp.shard_of(full).float() for sp, full in zip(sps, values)]
         for sp in sps:
             ds_attributes.wear(sp)
         unit = GatherUnit(sps, self.gather, label or type(module).__name__)
-        unit.assign_lp(FlatBuffer.zeros(f"lp:{unit.label}", unit.shard_numel, self.dtype, self.device), 0)
-        for sp, seed in zip(sps, seeds):
-            sp.lp_shard().copy_(seed)
+        # Every element is written below (each shard, its padding too): no fill first.
+        unit.assign_lp(FlatBuffer(f"lp:{unit.label}", torch.empty(unit.shard_numel, dtype=self.dtype,
+                                                                  device=self.device)), 0)
+        for sp, full in zip(sps, values):
+            sp.copy_shard_of(full, sp.lp_shard())
             # The fp32 master starts from the exact init; an fp32 shard already is it (no second copy).
-            sp.hp_seed = seed if self.dtype != torch.float32 else None
+            sp.hp_seed = sp.shard_of(full) if self.dtype != torch.float32 else None
             sp.set_released()
         return unit
 
     def _broadcast_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Rank 0's fp32 values of `params`, moved to the engine device. A parameter on the meta device
         has no values (a module built with skip_init): zeros, until a load writes them."""
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
+        out, cursor = [], 0
         with torch.no_grad():
-            flat = torch.cat([
-                torch.zeros(p.numel(), dtype=torch.float32, device=self.device) if p.is_meta
-                else p.detach().reshape(-1).to(self.device, torch.float32)
-                for p in params
-            ])
+            for p in params:
+                value = flat[cursor : cursor + p.numel()]
+                if p.is_meta:
+                    value.zero_()
+                else:
+                    value.copy_(p.detach().reshape(-1))
+                out.append(value.view(p.shape))
+                cursor += p.numel()
         assert self.gather.comm is not None
         self.gather.comm.broadcast(flat, src=0)
-        out, cursor = [], 0
-        for p in params:
-            out.append(flat[cursor : cursor + p.numel()].view(p.shape))
-            cursor += p.numel()
         return out
 
 

@@ -76,12 +76,19 @@ class ShardedParam:
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full value of the parameter, zero padded."""
-        flat = full.reshape(-1)
-        start, end = self.shard_range()
-        shard = torch.zeros(self.shard_numel, dtype=full.dtype, device=full.device)
-        if end > start:
-            shard[: end - start].copy_(flat[start:end])
+        shard = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
+        self.copy_shard_of(full, shard)
         return shard
+
+    def copy_shard_of(self, full: torch.Tensor, into: torch.Tensor) -> None:
+        """This rank's shard of a full value written into `into` (`shard_numel` elements, any dtype), zero
+        padded: one pass over the shard, no copy of it made first."""
+        start, end = self.shard_range()
+        held = max(end - start, 0)
+        if held:
+            into[:held].copy_(full.reshape(-1)[start:end])
+        if held < self.shard_numel:
+            into[held:].zero_()
 
     def shard_range(self) -> tuple[int, int]:
         """[start, end) of this rank's shard within the flattened parameter (may be empty)."""
