@@ -237,3 +237,40 @@ def test_deepspeeds_init_arguments_nested_contexts_module_moves_and_meta_modules
         assert "first argument is `module`" in out["positional_config"]
         assert "data_parallel_group" in out["other_group"]
         assert "mpu" in out["mpu"]
+
+
+def engine_inside_init(rank: int, world: int) -> dict:
+    """DeepSpeed's test_shutdown_in_nesting_init, with values checked: an engine built inside an Init
+    context, and a module built in the same context after it."""
+    torch.manual_seed(3)
+    reference = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    expected = reference(x).square().mean().item()
+    out: dict = {}
+    with zero3.Init(config=CFG):
+        torch.manual_seed(3)
+        first = nn.Linear(4, 4)
+        engine, *_ = zero3.initialize(model=first, model_parameters=first.parameters(), config=CFG)
+        out["loss"] = engine(x.to(engine.device)).square().mean().item()
+        engine.backward(engine(x.to(engine.device)).square().mean())
+        engine.step()
+        second = nn.Linear(4, 4)  # after the build: partitioned as it is built, and guarded again
+        out["second_partitioned"] = {zero3.param_status(p) for p in second.parameters()}
+        try:
+            ReadingParent()
+            out["read_error"] = ""
+        except RuntimeError as err:
+            out["read_error"] = str(err)
+    other, *_ = zero3.initialize(model=second, model_parameters=second.parameters(), config=CFG)
+    out["second_runs"] = bool(torch.isfinite(other(x.to(other.device))).all())
+    out["expected"] = expected
+    engine.destroy()
+    other.destroy()
+    return out
+
+
+def test_an_engine_built_inside_init_and_a_module_built_after_it() -> None:
+    for out in run_ranks(2, engine_inside_init):
+        assert out["loss"] == pytest.approx(out["expected"], rel=1e-6, abs=1e-7)
+        assert out["second_partitioned"] == {zero3.ParamStatus.NOT_AVAILABLE} and out["second_runs"]
+        assert "GatheredParameters" in out["read_error"]

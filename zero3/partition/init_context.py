@@ -19,7 +19,8 @@ context, so training pays nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -75,6 +76,8 @@ class _PartitionedWriteMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if self.init.paused:
+            return func(*args, **kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         touched = [sp for sp in map(self._lookup, leaves) if sp is not None]
         if not touched:
@@ -213,10 +216,27 @@ class Init:
         self.partitioner: Partitioner | None = None
         self._nested = False  # inside another Init: this one does nothing (DeepSpeed's rule)
         self._original_apply: Callable[..., Any] | None = None
+        self.paused = False  # see `paused_for_engine_build`
         if module is not None and enabled:
             with self:
                 if not self._nested:
                     self._on_module_built(module)
+
+    @classmethod
+    @contextmanager
+    def paused_for_engine_build(cls) -> Iterator[None]:
+        """The active context (if any) intercepts nothing for a while: `zero3.initialize` called inside
+        `with zero3.Init(...)` (DeepSpeed allows it) builds its engine over the shards as anywhere else, and
+        nothing the build constructs is partitioned. Modules built after it are again."""
+        active = cls._active[0] if cls._active else None
+        if active is None or active.paused:
+            yield
+            return
+        active.paused = True
+        try:
+            yield
+        finally:
+            active.paused = False
 
     # ---- constructor interception ---------------------------------------
     def _wrap(self, cls: type) -> None:
@@ -234,7 +254,7 @@ class Init:
             finally:
                 if outermost:
                     init_ctx._constructing.discard(key)
-            if outermost:
+            if outermost and not init_ctx.paused:
                 init_ctx._on_module_built(module)
 
         wrapped_init._zero3_wrapped = True  # type: ignore[attr-defined]
@@ -264,7 +284,7 @@ class Init:
                 continue
 
             def patched(tensor: torch.Tensor, *args: Any, _function=function, **kwargs: Any) -> Any:
-                sp = mode._lookup(tensor)
+                sp = None if self.paused else mode._lookup(tensor)
                 if sp is None:
                     return _function(tensor, *args, **kwargs)
                 return mode._apply_write(_function, (tensor, *args), kwargs, [sp], sp, tensor)
@@ -317,7 +337,7 @@ class Init:
 
         def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             def keep_partitioned(tensor: torch.Tensor) -> torch.Tensor:
-                return tensor if mode._lookup(tensor) is not None else fn(tensor)
+                return tensor if not self.paused and mode._lookup(tensor) is not None else fn(tensor)
 
             return original(module, keep_partitioned, *args, **kwargs)
 

@@ -14,6 +14,7 @@ from zero3 import accelerator, activation_checkpointing, comm, default_group
 from zero3.config import Zero3Config, load_config
 from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
+from zero3.partition.init_context import Init
 from zero3.partition.sharded_param import released_by_destroy
 from zero3.runtime.dataloader import check_dataset, training_loader
 from zero3.runtime.engine import ZeroEngine
@@ -85,9 +86,10 @@ def initialize(
                               cfg.zero_optimization.zero_quantized_gradients)
     communicator = comm.Communicator(topology)
     try:
-        engine = ZeroEngine(
-            model, cfg, communicator, topology.shard, device, model_parameters, lr_scheduler, optimizer,
-        )
+        with Init.paused_for_engine_build():
+            engine = ZeroEngine(
+                model, cfg, communicator, topology.shard, device, model_parameters, lr_scheduler, optimizer,
+            )
     except BaseException:
         communicator.close()
         raise
