@@ -104,15 +104,23 @@ class Partitioner:
         unit.assign_lp(FlatBuffer(f"lp:{unit.label}", torch.empty(unit.shard_numel, dtype=self.dtype,
                                                                   device=self.device)), 0)
         for sp, full in zip(sps, values):
-            sp.copy_shard_of(full, sp.lp_shard())
+            if full is None:
+                sp.lp_shard().zero_()
+            else:
+                sp.copy_shard_of(full, sp.lp_shard())
             # The fp32 master starts from the exact init; an fp32 shard already is it (no second copy).
-            sp.hp_seed = sp.shard_of(full) if self.dtype != torch.float32 else None
+            if self.dtype != torch.float32:
+                sp.hp_seed = sp.shard_of(full) if full is not None else torch.zeros(sp.shard_numel, device=self.device)
             sp.set_released()
         return unit
 
-    def _broadcast_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    def _broadcast_values(self, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         """Rank 0's fp32 values of `params`, moved to the engine device. A parameter on the meta device
-        has no values (a module built with skip_init): zeros, until a load writes them."""
+        has no values (a module built with skip_init): zeros, until a load writes them; None for such a
+        parameter where there is no other rank to send them to."""
+        assert self.gather.comm is not None
+        if self.gather.comm.job_alone and all(p.is_meta for p in params):
+            return [None for _ in params]
         flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
         out, cursor = [], 0
         with torch.no_grad():
@@ -124,7 +132,6 @@ class Partitioner:
                     value.copy_(p.detach().reshape(-1))
                 out.append(value.view(p.shape))
                 cursor += p.numel()
-        assert self.gather.comm is not None
         self.gather.comm.broadcast(flat, src=0)
         return out
 
