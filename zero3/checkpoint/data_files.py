@@ -4,15 +4,13 @@ page cache where the filesystem allows it.
 [Note: one pass per data file]
 DCP's file writer `torch.save`s each item into a buffered file (about 40
 Python write calls per item), clones an item that views a larger storage, and
-zero3 then read every file back to sum its items. Measured on this 2-core
-Xeon (6 x 512 GPT, fp32, two ranks: about 230 items and 114 MiB per rank per
-save) an async save's writer process spent 0.6-0.96 CPU-seconds per save,
-half of it in the kernel: a buffered write of 114 MiB costs 0.16-0.26 s of
-system time (page-cache pages taken, dirtied, written back), where the same
-bytes written with `O_DIRECT` from an aligned buffer cost 5 ms (and about 90
-ms of wall time). Both cores are training meanwhile, so every CPU-second the
-writer takes is taken from the step: with a save every step, it is most of
-what checkpointing costs the training.
+zero3 then read every file back to sum its items. Half of that CPU time is
+the kernel's: a buffered write takes, dirties and writes back page-cache
+pages, where the same bytes written with `O_DIRECT` from an aligned buffer
+cost a small fraction of it (docs/benchmarks.md, "Measurements behind the
+design"). The cores are training meanwhile, so every CPU-second the writer
+takes is taken from the step: with a save every step, it is most of what
+checkpointing costs the training.
 
 So `DataFileWriter` writes the file itself, front to back, through one
 aligned buffer (`DirectFile`), with `O_DIRECT` where the filesystem takes it
@@ -21,8 +19,8 @@ filesystems: the open or the first write says so). A large item (64 KiB or
 more) skips the buffer: a gap before it puts its data at the place within a
 page of the file that it has within a page of memory (the staging segment
 starts each on a page: zero3.checkpoint.staging), so its whole pages go to
-the disk from where they are, without the 114 MiB copy (36 ms a save here);
-only its first and last part-pages pass through the buffer. Each item's bytes are what `torch.save` writes for
+the disk from where they are, without a copy of the state; only its first and
+last part-pages pass through the buffer. Each item's bytes are what `torch.save` writes for
 it, so torch's own `FileSystemReader` reads the files as before (the gaps are
 in no item); they are summed (XXH3, zero3.checkpoint.tags' [Note: checksums])
 from memory as they go out.
@@ -39,9 +37,9 @@ process, whose `torch.save` config is the user's), each item goes through
 `torch.save` into the same stream, as DCP's writer did.
 
 With this writer, DCP's plan cached (zero3.checkpoint.planners) and the state
-handed to DCP in three groups (zero3.checkpoint.tag_write's `grouped`), a save cost
-the writer 0.11-0.16 CPU-seconds, and checkpointing every step 1.12x the step
-without (1.38x before; `benchmarks/checkpoint.py --overhead`).
+handed to DCP in three groups (zero3.checkpoint.tag_write's `grouped`), a save
+costs the writer a fraction of what it did (`benchmarks/checkpoint.py
+--overhead`; the figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

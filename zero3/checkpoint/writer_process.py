@@ -4,15 +4,12 @@
 An async save written by a thread of the training process shares that
 process's GIL: DCP's planning and its per-item `torch.save` are Python, and a
 training thread that is host-bound (launching kernels, running hooks) waits
-for the GIL between every call. Measured on the CPU (py-spy, 6 x 512 GPT, two
-ranks) the writing thread held the GIL about 0.23 s per save. Where the step
-is host-bound (the 16 x 64 stand-in at one rank: 20 ms) and a save follows
-every step, a step and its save took 468 ms with a thread and 371 ms with a
-process (the save is 784 small items); where the step's time
-is in kernels that let go of the GIL (the 6 x 512 GPT at one rank) the two cost
-the same (1.058x and 1.061x the step without saves). So each rank's async saves
-are written by a process of its own, as DCP's and torchtitan's "process" mode
-does. The training process copies its state into a shared-memory
+for the GIL between every call. Where the step is host-bound and a save
+follows every step, the thread's GIL time lengthens the step; where the step's
+time is in kernels that let go of the GIL, a thread and a process cost the same
+(docs/benchmarks.md, "Measurements behind the design"). So each rank's async
+saves are written by a process of its own, as DCP's and torchtitan's "process"
+mode does. The training process copies its state into a shared-memory
 segment (zero3.checkpoint.staging) and sends the writer a request: the
 `Write` (zero3.checkpoint.tag_write) and where each entry sits in the segment.
 The writers run the same `Write` a blocking save runs, on a gloo group of

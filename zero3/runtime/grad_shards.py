@@ -15,10 +15,10 @@ and the forward's activations, the largest part of a step's peak, do not
 come on top of it. Its pages return as the gradients land.
 
 Each returning page costs a fault (a read maps the zero page, the first add
-copies it): about 0.7 ms per MiB on the AMD EPYC of docs/benchmarks.md, where
-writing zeros costs 0.1. A buffer under `DROP_PAGES_FROM_BYTES` is zeroed by
-writing: its memory is small beside the step's peak, and the faults were a
-sixth of the 16 x 64 stand-in's step (benchmarks/step_time.py).
+copies it), several times what writing zeros costs (docs/benchmarks.md,
+"Measurements behind the design"). A buffer under `DROP_PAGES_FROM_BYTES` is
+zeroed by writing: its memory is small beside the step's peak, and the faults
+would be a large part of a small model's step.
 
 [Note: gradients held only from the backward to the step]
 In lean memory mode (zero3.partition.lean) the shards have no flat buffer.
@@ -48,14 +48,11 @@ page handed back faults again in the next forward). Chunks made on demand
 are heap blocks too (a gather unit's shards; glibc's mmap threshold grows to
 such sizes once one is freed), so they take the freed activations' places,
 as FSDP2's gradients do, and nothing is handed back. So a CPU device that
-reduces across ranks makes its shards on demand. At 2 ranks, 6 x 512 GPT,
-fp32 (Intel Xeon, alternated with FSDP2): the flat buffer with its
-hand-backs took 1.05x FSDP2's step at 0.87x its peak RSS; on demand, three
-runs gave 0.80x, 0.89x and 1.04x at 0.92-0.94x (docs/benchmarks.md,
-step_time_cpu_6x512_fp32). In bf16 the two are alike (one hand-back a
-step). A world of one keeps the flat buffer: it adds each gradient straight
-into it, and making the chunks and their views every step cost the
-host-bound 16 x 64 stand-in 16% (37.1 against 31.9 ms).
+reduces across ranks makes its shards on demand: alternated with FSDP2, it
+was the faster of the two forms (the figures are in docs/benchmarks.md). A
+world of one keeps the flat buffer: it adds each gradient straight into it,
+and making the chunks and their views every step is a cost a host-bound
+small model feels.
 """
 
 from __future__ import annotations
