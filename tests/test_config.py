@@ -229,7 +229,7 @@ def test_all_errors_reported_at_once() -> None:
     [
         ({"seed": 1}, "seed"),
         ({"zero_optimization": {"stage3_prefetch_bucket": 1}}, "zero_optimization.stage3_prefetch_bucket"),
-        ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
+        ({"fp16": {"enabled": True, "autocast": True}}, "fp16.autocast"),
         ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, "optimizer.params.momentum"),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratios": 0.5}}},

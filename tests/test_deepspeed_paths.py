@@ -49,6 +49,7 @@ PATHS = [
     ("utils", "logger", None), ("utils", "log_dist", None),
     ("utils.zero_to_fp32", "get_fp32_state_dict_from_zero_checkpoint", None),
     ("utils.zero_to_fp32", "convert_zero_checkpoint_to_fp32_state_dict", None),
+    ("utils.zero_to_fp32", "load_state_dict_from_zero_checkpoint", None),
     ("ops.adam", "FusedAdam", None), ("ops.adam", "DeepSpeedCPUAdam", None), ("ops.lion", "FusedLion", None),
     ("checkpointing", "configure", None), ("checkpointing", "checkpoint", None),
     ("checkpointing", "is_configured", None), ("checkpointing", "reset", None),
@@ -205,12 +206,19 @@ def deepspeed_script(rank: int, world: int, ds_config: dict, checkpointed: bool,
         y = torch.randint(0, 4, (2 * world,), generator=data)
         loss = engine(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
         engine.backward(loss)
-        if api == "deepspeed":  # DeepSpeed's name for the gradient shards, beside zero3's getter
+        if api == "deepspeed":  # DeepSpeed's names for the gradient shards, beside zero3's getter
             shards = torch.cat([zero3.safe_get_local_grad(sp.param).reshape(-1) for sp in engine.optimizer.params])
-            flat_buffer.append((engine.optimizer.grad_partitions_flat_buffer.clone(), shards))
+            averaged = torch.cat([g.reshape(-1) for _, grads in sorted(engine.optimizer.averaged_gradients.items())
+                                  for g in grads])
+            partitions = engine.optimizer.get_fp32_grad_partitions()
+            fp32 = torch.cat([g.reshape(-1) for _, by_piece in sorted(partitions.items())
+                              for _, g in sorted(by_piece.items())])
+            flat_buffer.append((engine.optimizer.grad_partitions_flat_buffer.clone(), shards, averaged, fp32))
         engine.step()
         losses.append(loss.item())
-    after_step = engine.optimizer.grad_partitions_flat_buffer.clone() if api == "deepspeed" else None
+    after_step = None
+    if api == "deepspeed":
+        after_step = (engine.optimizer.grad_partitions_flat_buffer.clone(), engine.optimizer.averaged_gradients)
     params = {name: full(p).clone() for name, p in engine.module.named_parameters()}
     engine.destroy()
     return {"losses": losses, "params": params, "rank": rank_seen, "world": world_seen, "flat_buffer": flat_buffer,
@@ -235,9 +243,11 @@ def test_a_deepspeed_script_with_only_its_import_changed_trains_as_zero3_does() 
         assert (a["rank"], a["world"]) == (rank, 2)
         assert a["losses"] == b["losses"], (a["losses"], b["losses"])
         assert all(torch.equal(a["params"][name], b["params"][name]) for name in b["params"])
-        for flat, shards in a["flat_buffer"]:  # between backward and step: this rank's gradient shards
+        for flat, shards, averaged, fp32 in a["flat_buffer"]:  # between backward and step: this rank's shards
             assert torch.equal(flat, shards) and flat.abs().sum() > 0
-        assert not a["after_step"].any()  # the step consumed them
+            assert torch.equal(averaged, shards) and torch.equal(fp32, shards)
+        flat, averaged = a["after_step"]
+        assert not flat.any() and averaged == {}  # the step consumed them
 
 
 def test_activation_checkpointing_refuses_model_parallel_settings_before_building() -> None:
@@ -263,3 +273,38 @@ def test_the_rng_tracker_forks_a_named_state_and_puts_the_default_back() -> None
     assert torch.equal(inside, torch.rand(4))  # the model-parallel state is seed + 2718, Megatron's
     with pytest.raises(ValueError, match="already"):
         tracker.add("model-parallel-rng", 99)
+
+
+def train_and_save(rank: int, world: int, directory: str) -> dict:
+    from zero3.deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    torch.manual_seed(0)
+    model = Net(False)
+    engine, *_ = zero3.initialize(model=model, config=CONFIG | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    x, y = torch.randn(2, 16), torch.randint(0, 4, (2,))
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.save_checkpoint(directory)
+    try:
+        load_state_dict_from_zero_checkpoint(engine.module, directory)
+        refusal = ""
+    except ValueError as error:
+        refusal = str(error)
+    with zero3.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        inside = load_state_dict_from_zero_checkpoint(engine.module, directory) is engine.module
+    params = {name: zero3.safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"params": params, "refusal": refusal, "inside": inside}
+
+
+def test_load_state_dict_from_zero_checkpoint_fills_a_plain_model_and_refuses_a_partitioned_one(tmp_path) -> None:
+    from zero3.deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+
+    results = run_ranks(2, train_and_save, str(tmp_path))
+    plain = Net(False)
+    assert load_state_dict_from_zero_checkpoint(plain, tmp_path) is plain
+    for name, value in plain.named_parameters():
+        assert torch.equal(value.detach(), results[0]["params"][name]), name
+    for result in results:
+        assert "are partitioned" in result["refusal"] and "GatheredParameters" in result["refusal"]
+        assert result["inside"]

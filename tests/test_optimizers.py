@@ -258,7 +258,6 @@ def refused(rank: int, world: int, case: str) -> str:
 @pytest.mark.parametrize(("case", "expected"), [
     ("lbfgs", "torch.optim.lbfgs.LBFGS is not an elementwise optimizer"),
     ("undeclared", "UndeclaredAdam is not an elementwise optimizer"),
-    ("both", "a client optimizer (SGD) was passed beside the config's 'optimizer' section"),
 ])
 @ON_DEVICES
 def test_refused_client_optimizers_name_the_problem(case: str, expected: str, device: str) -> None:
@@ -365,3 +364,27 @@ def test_a_fused_kernel_is_chosen_only_for_the_devices_torch_has_it_for() -> Non
     _, chosen = optimizer_spec.build(optimizer_spec.OptimizerSpec(torch.optim.AdamW, {"lr": 0.1}),
                                      [{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}])
     assert chosen
+
+
+def client_beside_the_config(rank: int, world: int) -> dict:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zero3").addHandler(handler)
+    model = models.MLP()
+    client = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, optimizer, *_ = zero3.initialize(model=model, optimizer=client, config=config(world, {"type": "AdamW"}))
+    stepped = type(optimizer.optimizer).__name__
+    lr = optimizer.param_groups[0]["lr"]
+    engine.destroy()
+    return {"stepped": stepped, "lr": lr, "warned": [m for m in records if "is ignored" in m]}
+
+
+def test_a_client_optimizer_beside_the_configs_section_is_the_one_stepped_as_in_deepspeed() -> None:
+    for rank, out in enumerate(run_ranks(2, client_beside_the_config)):
+        assert out["stepped"] == "SGD" and out["lr"] == 0.1
+        # Said once, by rank 0, naming both.
+        assert len(out["warned"]) == (1 if rank == 0 else 0)
+        assert all("AdamW" in m and "SGD" in m for m in out["warned"])

@@ -197,3 +197,28 @@ def test_masters_stay_a_copy_where_they_differ_from_the_shards() -> None:
         for states in run_ranks(2, optimizer_bytes, precision, offload):
             itemsize = 2 if precision == "bf16" else 4
             assert states["hp_params"] == states["lp_params"] * 4 // itemsize > 0, (precision, offload, states)
+
+
+def output_dtypes(rank: int, world: int) -> dict[str, torch.dtype]:
+    out = {}
+    for name, section in (("bf16", {"bf16": {"enabled": True}}), ("bf16_auto", {"bf16": {"enabled": True, "auto_cast": True}}),
+                          ("fp16_auto", {"fp16": {"enabled": True, "auto_cast": True}})):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}, **section,
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        model = Scaled(8)
+        engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        x = torch.full((8,), 1.0 + 2.0**-12)  # not representable in bf16 or fp16
+        loss = engine(x)
+        out[name] = loss.dtype
+        out[f"{name}_exact"] = loss.item() == 8 * (1.0 + 2.0**-12)
+        engine.destroy()
+    return out
+
+
+def test_inputs_pass_as_given_unless_the_config_asks_to_cast_them() -> None:
+    """DeepSpeed's semantics: in bf16 an fp32 input stays fp32 (an elementwise op with the bf16 weights then
+    computes in fp32); `fp16.auto_cast` (DeepSpeed's key) and `bf16.auto_cast` cast floating inputs."""
+    for out in run_ranks(2, output_dtypes):
+        assert out["bf16"] == torch.float32 and out["bf16_exact"]
+        assert out["bf16_auto"] == torch.bfloat16 and not out["bf16_auto_exact"]
+        assert out["fp16_auto"] == torch.float16 and not out["fp16_auto_exact"]

@@ -103,6 +103,11 @@ class Zero3Config(_Model):
         return torch.float32
 
     @property
+    def casts_inputs(self) -> bool:
+        """Whether the engine's forward casts floating inputs to the compute dtype (`auto_cast`)."""
+        return (self.bf16.enabled and self.bf16.auto_cast) or (self.fp16.enabled and self.fp16.auto_cast)
+
+    @property
     def grad_accum_dtype(self) -> torch.dtype:
         name = self.data_types.grad_accum_dtype
         return _DTYPES[name] if name is not None else self.compute_dtype

@@ -12,10 +12,14 @@ from zero3.config.base import _Model
 
 class BF16Config(_Model):
     enabled: bool = False
+    # Floating inputs of the engine's forward cast to bf16 (zero3's key; DeepSpeed never casts in bf16).
+    auto_cast: bool = False
 
 
 class FP16Config(_Model):
     enabled: bool = False
+    # DeepSpeed's key: floating inputs of the engine's forward cast to fp16.
+    auto_cast: bool = False
     loss_scale: float = Field(default=0.0, ge=0)  # 0 = dynamic loss scaling
     initial_scale_power: int = Field(default=16, ge=0, le=64)
     loss_scale_window: int = Field(default=1000, gt=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -14,6 +15,8 @@ from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.step_protocol import StepProtocol
 from zero3.partition.unit import GatherUnit, Hold, unit_of
+
+log = logging.getLogger("zero3")
 
 
 class GatheredParameters:
@@ -171,7 +174,8 @@ class GatheredParameters:
     ) -> None:
         """Collective whatever happened in the block: if it raised on any rank, every rank raises (the
         failing rank its own exception, the others one naming it) and no rank keeps the modifier's edit;
-        else the modifier's values become every rank's shards, or an edit without one is refused."""
+        else the modifier's values become every rank's shards, or an edit without one is discarded, as
+        DeepSpeed discards it, with one warning (rank 0's) naming what every rank edited."""
         if not self.enabled:
             return
         edited: list[str] = []
@@ -198,12 +202,10 @@ class GatheredParameters:
         finally:
             for unit in self.units:
                 unit.release(Hold.PIN)
-        if edited:
-            raise RuntimeError(
-                f"in-place modification of partitioned parameters ({'; '.join(edited)}) inside "
-                "GatheredParameters(modifier_rank=None): the edit is discarded on exit, on every rank. Pass "
-                "modifier_rank=<the rank whose values to keep> to keep it"
-            )
+        if edited and torch.distributed.get_rank() == 0:
+            log.warning("in-place modification of partitioned parameters (%s) inside GatheredParameters("
+                        "modifier_rank=None): the edit was discarded on exit, on every rank. Pass modifier_rank=<the "
+                        "rank whose values to keep> to keep it", "; ".join(edited))
 
 
 @contextlib.contextmanager

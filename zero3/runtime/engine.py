@@ -95,11 +95,10 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
 
         spec = None
         if client_optimizer is not None:
-            if config.optimizer is not None:
-                raise ValueError(
-                    f"a client optimizer ({type(client_optimizer).__name__}) was passed beside the config's "
-                    "'optimizer' section; give one or the other"
-                )
+            if config.optimizer is not None and self.global_rank == 0:
+                # DeepSpeed's rule (its initialize takes the client's too), said once.
+                log.warning("the config's 'optimizer' section (%s) is ignored: the client optimizer (%s) passed to "
+                            "initialize is the one stepped", config.optimizer.type, type(client_optimizer).__name__)
             spec = optimizer_spec.from_client(client_optimizer)
         elif config.optimizer is not None:
             spec = optimizer_spec.from_config(config.optimizer)
@@ -209,8 +208,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             if self.fault_tolerance.take_recovered():  # (a quorum before the forward brought a peer's state)
                 self.parts.refresh_gathered()
         self.parts.repair_lp("forward")
-        if self.compute_dtype != torch.float32:
-            # Floating inputs follow the parameters' dtype (FSDP2's cast_forward_inputs).
+        if self.config.casts_inputs:
+            # Floating inputs follow the parameters' dtype (`auto_cast`: FSDP2's cast_forward_inputs).
             def cast(value: Any) -> Any:
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     return value.to(self.compute_dtype)

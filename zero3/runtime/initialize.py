@@ -65,11 +65,6 @@ def initialize(
     if cfg.activation_checkpointing:
         activation_checkpointing.configure(deepspeed_config=cfg)  # as DeepSpeed's initialize does; refusals first
     if optimizer is not None:
-        if cfg.optimizer is not None:
-            raise ValueError(
-                f"a client optimizer ({type(optimizer).__name__}) was passed beside the config's 'optimizer' "
-                "section; give one or the other"
-            )
         optimizer_spec.from_client(optimizer)  # refused before anything is set up
     if training_data is not None:
         check_dataset(training_data)

@@ -843,6 +843,22 @@ class ZeroOptimizer:
         (between steps: all zeros, as they hold no memory then)."""
         return self.grads.flat()
 
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """DeepSpeed's `averaged_gradients`: from a backward to the step, each sub-group's gradient shards (this
+        rank's, reduced across the ranks), one per piece of a parameter it steps, in lp_grads' dtype; empty
+        where no gradient has arrived since the last step. Views where the shards are held; zeros otherwise."""
+        if not self.grads.any_arrived():
+            return {}
+        return {index: [self.grads.read(piece.sp)[piece.start : piece.start + piece.numel] for piece in sub.pieces]
+                for index, sub in enumerate(self.sub_groups)}
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """DeepSpeed's `get_fp32_grad_partitions()`: `averaged_gradients` as {sub-group: {piece: its fp32 values}}
+        (the same tensors where lp_grads is fp32)."""
+        return {index: {i: grad.float() for i, grad in enumerate(grads)}
+                for index, grads in self.averaged_gradients.items()}
+
     def close(self) -> None:
         """Free the tier's buffers and forget the parameters (the engine is being destroyed)."""
         if self.early is not None:

@@ -14,13 +14,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from zero3.checkpoint import deepspeed_files
 from zero3.checkpoint.export import export
 from zero3.checkpoint.tags import CheckpointError
 from zero3.checkpoint.weights import ShardedSafetensors, parse_size
+from zero3.partition.sharded_param import sharded
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint"]
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
@@ -39,6 +42,25 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
             if path.suffix == ".safetensors":
                 state.update(load_file(path))
     return state
+
+
+def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str | os.PathLike[str],
+                                         tag: str | None = None, trust_checkpoint: bool = False) -> nn.Module:
+    """The checkpoint's fp32 weights loaded into `model` (`load_state_dict(strict=False)`), which is returned.
+    A model no engine holds is moved to the CPU first, as DeepSpeed's does; an engine's model must have its
+    parameters whole, inside `GatheredParameters(..., modifier_rank=...)` (what lasts is what that context
+    keeps), and stays where it is."""
+    released = [name for name, p in model.named_parameters() if sharded(p) is not None and p.numel() == 0]
+    if released:
+        named = ", ".join(released[:3]) + (", ..." if len(released) > 3 else "")
+        raise ValueError(f"load_state_dict_from_zero_checkpoint: the model's parameters ({named}) are partitioned: "
+                         "load into a model no engine holds, or inside zero3.GatheredParameters(model.parameters(), "
+                         "modifier_rank=0), or resume the engine with engine.load_checkpoint")
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, trust_checkpoint=trust_checkpoint)
+    if not any(sharded(p) is not None for p in model.parameters()):
+        model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike[str],
