@@ -201,8 +201,8 @@ def test_masters_stay_a_copy_where_they_differ_from_the_shards() -> None:
 
 def output_dtypes(rank: int, world: int) -> dict[str, torch.dtype]:
     out = {}
-    for name, section in (("bf16", {"bf16": {"enabled": True}}), ("bf16_auto", {"bf16": {"enabled": True, "auto_cast": True}}),
-                          ("fp16_auto", {"fp16": {"enabled": True, "auto_cast": True}})):
+    for name, section in (("bf16", {"bf16": {"enabled": True, "auto_cast": False}}),
+                          ("bf16_auto", {"bf16": {"enabled": True}}), ("fp16_auto", {"fp16": {"enabled": True}})):
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}, **section,
                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
         model = Scaled(8)
@@ -215,9 +215,10 @@ def output_dtypes(rank: int, world: int) -> dict[str, torch.dtype]:
     return out
 
 
-def test_inputs_pass_as_given_unless_the_config_asks_to_cast_them() -> None:
-    """DeepSpeed's semantics: in bf16 an fp32 input stays fp32 (an elementwise op with the bf16 weights then
-    computes in fp32); `fp16.auto_cast` (DeepSpeed's key) and `bf16.auto_cast` cast floating inputs."""
+def test_floating_inputs_are_cast_unless_auto_cast_is_false_as_in_deepspeed() -> None:
+    """By default floating inputs follow the compute dtype (FSDP2's cast_forward_inputs); `auto_cast: false`
+    (`fp16.auto_cast` is DeepSpeed's key) passes them as given, as DeepSpeed does: in bf16 an fp32 input stays
+    fp32, and an elementwise op with the bf16 weights computes in fp32."""
     for out in run_ranks(2, output_dtypes):
         assert out["bf16"] == torch.float32 and out["bf16_exact"]
         assert out["bf16_auto"] == torch.bfloat16 and not out["bf16_auto_exact"]

@@ -155,12 +155,12 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "bf16.enabled": ("implemented", "compute in bf16 (at most one of bf16 and fp16; neither: fp32)"),
     "bf16.auto_cast": (
         "zero3", "true: the engine's forward casts its floating inputs to bf16 (as FSDP2's "
-        "`cast_forward_inputs`); false: inputs pass as given, as in DeepSpeed, which never casts in bf16"),
+        "`cast_forward_inputs`); false: inputs pass as given, as DeepSpeed does (it never casts in bf16)"),
     "fp16": ("implemented", "fp16 compute with a loss scale, dynamic unless `loss_scale` is set"),
     "fp16.enabled": ("implemented", "compute in fp16"),
     "fp16.auto_cast": (
-        "implemented", "true: the engine's forward casts its floating inputs to fp16; false: inputs pass as "
-        "given, as in DeepSpeed"),
+        "implemented", "true: the engine's forward casts its floating inputs to fp16 (zero3's default, as FSDP2's "
+        "`cast_forward_inputs`); false: inputs pass as given (DeepSpeed's default)"),
     "fp16.loss_scale": ("implemented", "0: a dynamic loss scale; above 0: this static scale"),
     "fp16.initial_scale_power": ("implemented", "the dynamic scale starts at 2 to this power"),
     "fp16.loss_scale_window": (

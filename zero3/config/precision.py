@@ -12,14 +12,15 @@ from zero3.config.base import _Model
 
 class BF16Config(_Model):
     enabled: bool = False
-    # Floating inputs of the engine's forward cast to bf16 (zero3's key; DeepSpeed never casts in bf16).
-    auto_cast: bool = False
+    # Floating inputs of the engine's forward cast to bf16 (zero3's key, as FSDP2's cast_forward_inputs);
+    # false: as given, DeepSpeed's only behaviour in bf16.
+    auto_cast: bool = True
 
 
 class FP16Config(_Model):
     enabled: bool = False
-    # DeepSpeed's key: floating inputs of the engine's forward cast to fp16.
-    auto_cast: bool = False
+    # DeepSpeed's key: floating inputs of the engine's forward cast to fp16 (DeepSpeed's default is false).
+    auto_cast: bool = True
     loss_scale: float = Field(default=0.0, ge=0)  # 0 = dynamic loss scaling
     initial_scale_power: int = Field(default=16, ge=0, le=64)
     loss_scale_window: int = Field(default=1000, gt=0)
