@@ -4,7 +4,7 @@
 Not a test: nothing here asserts on timings. Two ranks (gloo, one process
 each, launched with torch's elastic launcher) train the same GPT (seed 0,
 the same batches) with `offload_optimizer: cpu`, once without and once with
-`super_offload: true` (zero3.runtime.early_step's Note), alternating
+`super_offload: true` (zero3.step.early_step's Note), alternating
 `--rounds` times. Per step, after a barrier, each rank times its backward
 (`engine.backward`) and its step (`engine.step`); a phase's time is the
 slowest rank's, a figure the median over the run's steps, then over the runs.

@@ -361,7 +361,7 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
 def flat_gradients(flat: bool = True) -> Iterator[None]:
     """Engines built inside keep the default layout's gradient shards in one flat buffer, even at several CPU
     ranks (where the engine makes them on demand); lean mode's stay on demand."""
-    from zero3.runtime import build as engine_build
+    from zero3.engine import build as engine_build
 
     chosen = engine_build.made_on_demand
     if flat:

@@ -3,10 +3,10 @@
 * Every `[Note: X]` reference in zero3/, docs/, benchmarks/, tests/ and the README names a Note that is
   defined, and defined once. A definition is a comment (`# [Note: X]`) or a docstring line that is the
   Note's name alone, the heading of the text below it; anything else naming a Note is a reference. A
-  reference that names its module (`zero3.runtime.optimizer's [Note: master views]`, `tags' [Note: x]`,
+  reference that names its module (`zero3.step.optimizer's [Note: master views]`, `tags' [Note: x]`,
   or, in the docs, `` (`zero3/comm.py`, `[Note: x]`) ``) needs the Note defined in that module.
 * Every code path the docs (docs/*.md, README.md, benchmarks/README.md) name in backticks exists:
-  `zero3/runtime/grad_reducer.py`, `runtime/engine.py` (under zero3/ when it does not start at the
+  `zero3/passes/grad_reducer.py`, `engine/engine.py` (under zero3/ when it does not start at the
   repository's root), `gather_walk.py` (a file of that name somewhere in the code); `path.py:NAME` names
   something defined in that file. Every dotted `zero3.a.b` they name is a module, or a module and a name
   defined in it (`zero3.integrations.hf.Zero3Trainer`); every `` `Class.member` `` whose class zero3
@@ -15,7 +15,7 @@
   every `` `Class.member` `` there whose class zero3 defines names a member of it.
 * Where a text says which module or file holds a name, that module or file defines it (an import there
   is not enough): "zero3.checkpoint.tags' `FileSums`", "`Write` (zero3.checkpoint.tag_write)", and in the
-  docs "`save_checkpoint` (`runtime/engine_checkpoints.py`, `checkpoint/state.py`)".
+  docs "`save_checkpoint` (`engine/checkpoints.py`, `checkpoint/state.py`)".
 * The Note table of docs/architecture.md lists every Note zero3/ defines, at the file that defines it, and
   nothing else.
 
@@ -240,7 +240,7 @@ def member_problem(span: str) -> str | None:
 
 # Where a text says which module or file defines a name: "zero3.checkpoint.tags' `FileSums`", "`Write`
 # (zero3.checkpoint.tag_write)" (a class's name: a lower-case one there is as often an argument), and in the
-# docs "`save_checkpoint` (`runtime/engine_checkpoints.py`, `checkpoint/state.py`)".
+# docs "`save_checkpoint` (`engine/checkpoints.py`, `checkpoint/state.py`)".
 OWNED_BY_MODULE = (
     re.compile(r"(?<![\w.])(?P<module>zero3(?:\.\w+)+)(?:'s|') `(?P<name>[A-Za-z_]\w*)(?:\(.*?\))?`"),
     re.compile(r"`(?P<name>[A-Z]\w*)` \((?:see )?(?P<module>zero3(?:\.\w+)+)[)'; ,:]"),
@@ -477,7 +477,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert resolve_dotted("zero3.integrations.hf.Zero3Trainer") is None
     assert resolve_dotted("zero3.checkpoint.no_such_module") is not None
     assert resolve_dotted("zero3.comm.no_such_name") is not None
-    assert resolve_path("runtime/grad_reducer.py") and resolve_path("gather_walk.py")
+    assert resolve_path("passes/grad_reducer.py") and resolve_path("gather_walk.py")
     assert resolve_path("zero3/config.py") and resolve_path("zero3/config/") and module_files("zero3.config")
     assert not resolve_path("runtime/no_such_file.py")
     page = tmp_path / "page.md"
@@ -488,6 +488,6 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert owner_files("zero3.no_such") == [] and owner_files("walk") is None
     assert not list(owned_problems("zero3.checkpoint.tags' `FileSums` and `Write` (zero3.checkpoint.tag_write)", False))
     assert len(list(owned_problems("`Write` (zero3.checkpoint.state): imported there, defined elsewhere", False))) == 1
-    assert not list(owned_problems("`save_checkpoint` (`runtime/engine_checkpoints.py`, `checkpoint/state.py`), "
+    assert not list(owned_problems("`save_checkpoint` (`engine/checkpoints.py`, `checkpoint/state.py`), "
                                    "`offload_optimizer.super_offload` (`early_step.py`)", True))
-    assert len(list(owned_problems("`ZeroOptimizer.no_such` (`runtime/optimizer.py`)", True))) == 1
+    assert len(list(owned_problems("`ZeroOptimizer.no_such` (`step/optimizer.py`)", True))) == 1

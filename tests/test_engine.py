@@ -117,7 +117,7 @@ def state_bytes(rank: int, world: int, threshold: int) -> dict:
 @worlds_on_devices(1, 2)
 def test_model_state_is_16P_over_N(world: int, device: str) -> None:
     # Between steps: 16 bytes per parameter / N, DeepSpeed's; 14 at several CPU ranks, where the gradient
-    # shards are made by the backward and dropped at the step (zero3.runtime.grad_shards).
+    # shards are made by the backward and dropped at the step (zero3.step.grad_shards).
     grads_on_demand = device == "cpu" and world > 1
     for result in run_ranks(world, state_bytes, 0):
         expected = (14 if grads_on_demand else 16) * result["numel"] / world
@@ -308,7 +308,7 @@ def saved_tensors(rank: int, world: int) -> dict:
     released unit must be gathered again (world 2), by reference where every unit views its shard
     (world 1: gathered again in place when the backward begins). Either way a parameter is released
     after the forward that used it, as in DeepSpeed."""
-    from zero3.runtime.coordinator import ParamCoordinator
+    from zero3.passes.coordinator import ParamCoordinator
 
     packed = []
     real = ParamCoordinator._pack
@@ -359,7 +359,7 @@ def test_a_world_of_one_saves_for_backward_by_reference(world: int) -> None:
 
 
 def gradients_in_place(rank: int, world: int) -> dict:
-    """A world of one lets autograd add each gradient into its lp_grads slot (zero3.runtime.grad_hooks):
+    """A world of one lets autograd add each gradient into its lp_grads slot (zero3.passes.grad_hooks):
     the slots hold plain torch's gradients, `.grad` is None once the pass ends, and a backward that
     records a graph (accumulating out of place) still lands its gradients there."""
     torch.manual_seed(0)

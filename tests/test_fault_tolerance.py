@@ -165,7 +165,7 @@ def test_the_replicas_gradient_average_matches_plain_torch(tmp_path: Path) -> No
     from tests import ft_job
     from tests.restart_job import DropoutLM
     from zero3.config import load_config
-    from zero3.runtime.lr_schedules import build_lr_scheduler
+    from zero3.step.lr_schedules import build_lr_scheduler
 
     server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=1000)
     try:

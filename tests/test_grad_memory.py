@@ -12,7 +12,7 @@ import zero3
 from tests import models
 from tests.devices import ON_DEVICES, worlds_on_devices
 from tests.distributed import run_ranks
-from zero3.runtime.grad_reducer import MIN_BUCKETS
+from zero3.passes.grad_reducer import MIN_BUCKETS
 
 BUCKET = 20_000  # elements: the model below has ~140k trainable elements, so several buckets
 
@@ -72,7 +72,7 @@ def test_scratch_is_two_buckets_and_no_gradient_waits_for_its_bucket(world: int,
         assert result["buckets"] > 2 and result["slots"] == 2
         assert result["scratch_bytes"] == 2 * result["capacity_bytes"]
         assert result["capacity_bytes"] <= result["bucket_bytes"]  # never more than the configured bucket
-        if world == 1:  # autograd adds each gradient into its lp_grads slot itself (zero3.runtime.grad_hooks)
+        if world == 1:  # autograd adds each gradient into its lp_grads slot itself (zero3.passes.grad_hooks)
             assert result["arrivals"] == 0
         else:
             assert result["arrivals"] > result["buckets"]

@@ -120,7 +120,7 @@ def accumulated_steps(rank: int, world: int, measure: Callable[[Any], Any]) -> t
 
 
 def gradient_residency(rank: int, world: int, drop_from_bytes: int) -> dict:
-    from zero3.runtime import grad_shards
+    from zero3.step import grad_shards
 
     grad_shards.DROP_PAGES_FROM_BYTES = drop_from_bytes
     engine, seen = accumulated_steps(rank, world, lambda engine: resident_fraction(engine.optimizer.grads.buffer.tensor))
@@ -239,7 +239,7 @@ def test_gradient_shards_at_two_cpu_ranks_are_held_only_from_backward_to_step() 
 
 def test_heap_hand_backs_follow_the_landed_bytes_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from zero3 import accelerator
-    from zero3.runtime.host_heap import FreedHeapReturn
+    from zero3.passes.host_heap import FreedHeapReturn
 
     calls: list[int] = []
     monkeypatch.setattr(accelerator, "release_host_memory", lambda: calls.append(1))

@@ -6,7 +6,7 @@ ZeRO-Offload's host masters, `offload_states`/`reload_states`, and checkpoints (
 the other); the model state report loses exactly the trained parameters' 16-bit bytes, frozen parameters
 keep theirs, and a forward is refused while the masters are parked. The default layout here keeps its
 gradient shards in one flat buffer (`tests.models.flat_gradients`), as it does on a device; at several CPU ranks the engine
-makes them on demand as lean mode does (zero3.runtime.grad_shards), checked against the flat buffer too."""
+makes them on demand as lean mode does (zero3.step.grad_shards), checked against the flat buffer too."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests import models
 from tests.devices import worlds_on_devices
 from tests.distributed import run_ranks
 from zero3.config import ConfigError, load_config
-from zero3.runtime import grad_shards
+from zero3.step import grad_shards
 
 STEPS = 3
 OPTIMIZERS: dict[str, dict[str, Any]] = {

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from zero3.config import load_config
-from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 
 
 def test_static_scaler_never_changes() -> None:

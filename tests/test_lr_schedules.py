@@ -3,7 +3,7 @@
 DeepSpeed's scheduler starts at iteration -1 and its engine steps it after each applied optimizer
 step, so optimizer step n (from 1) runs with DeepSpeed's values at iteration n - 2. The `ds_*`
 functions below are DeepSpeed's formulas written out in those terms, independently of
-zero3.runtime.lr_schedules.
+zero3.step.lr_schedules.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zero3.config import ConfigError, load_config
-from zero3.runtime.lr_schedules import (
+from zero3.step.lr_schedules import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,

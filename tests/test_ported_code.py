@@ -467,7 +467,7 @@ def plain_backward(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])  # a world of one saves by reference (zero3.runtime.coordinator)
+@pytest.mark.parametrize("world", [1, 2])  # a world of one saves by reference (zero3.passes.coordinator)
 def test_a_plain_loss_backward_trains_as_engine_backward_as_in_deepspeed(world: int) -> None:
     for out in run_ranks(world, plain_backward):
         assert out["plain"] and out["scaled"]  # bit-identical, accumulation 2 and clipping included

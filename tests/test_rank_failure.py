@@ -120,7 +120,7 @@ def run_persistent(rank: int, world: int, kind: str, where: str, root: str, extr
     """`run`'s pattern with a fault that fires on every call from BAD_STEP's forward (or backward) on until
     every rank has raised and called zero_grad: every allocation of a gather output on the failing rank
     ("alloc"), or every read of its parameter tier's files ("read", the parameters on disk). Following the
-    pass through to its end must not meet the fault again (zero3.runtime.gather_walk's Note)."""
+    pass through to its end must not meet the fault again (zero3.passes.gather_walk's Note)."""
     from zero3.offload import disk as disk_io
     from zero3.partition.collectives import ParamGather
     from zero3.partition.secondary import SecondaryShards

@@ -16,7 +16,8 @@ from tests import models
 from tests.distributed import run_ranks
 from tests.test_full_params import build
 from zero3.comm import Communicator
-from zero3.runtime import full_params, weight_buckets
+from zero3.weights import full_params
+from zero3.weights import buckets as weight_buckets
 
 BUCKET_BYTES = 6000  # a few parameters of the small transformer per bucket, its embedding alone
 

@@ -41,10 +41,10 @@ from zero3.partition.leaf_modules import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
-from zero3.runtime.engine import ZeroEngine
-from zero3.runtime.initialize import initialize
+from zero3.engine.engine import ZeroEngine
+from zero3.engine.initialize import initialize
 from zero3.rank_failure import RankFailedError
-from zero3.runtime.weight_buckets import BucketEntry, WeightBucket
+from zero3.weights.buckets import BucketEntry, WeightBucket
 from zero3.shard_mesh import TopologyError
 from zero3 import weights
 

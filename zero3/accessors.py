@@ -26,8 +26,8 @@ from zero3.enums import ParamStatus
 from zero3.partition.flat_buffer import Slot, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam, require_sharded
 from zero3.partition.unit import UnitState, unit_of
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.optimizer import master_slots, settle_for_accessor
+from zero3.step.grad_shards import GradShards
+from zero3.step.optimizer import master_slots, settle_for_accessor
 
 
 def param_status(param: torch.Tensor) -> ParamStatus:
@@ -115,7 +115,7 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """This rank's shard of the parameter: its master and its 16-bit shard (for a frozen parameter, the
     16-bit shard). Local: it may be called on one rank alone. A copy gathered now (a persistent
     parameter's) holds the other ranks' shards too: the next forward agrees on one flag, and every rank
-    gathers it again (zero3.runtime.coordinator), so the setting rank never gathers alone."""
+    gathers it again (zero3.passes.coordinator), so the setting rank never gathers alone."""
     sp = require_sharded(param, "safe_set_local_fp32_param")
     shard = _local_value(sp, value, "safe_set_local_fp32_param")
     slots = master_slots(sp)

@@ -45,10 +45,10 @@ from zero3.partition.collectives import GradReduce, ParamGather
 from zero3.shard_mesh import ShardMesh, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
 from zero3.partition.lean import in_effect, lean_units, masters_are_shards
-from zero3.runtime.grad_shards import made_on_demand
+from zero3.step.grad_shards import made_on_demand
 from zero3.partition.partitioner import build_units
 from zero3.partition.sharded_param import ATTR, ShardedParam, sharded
-from zero3.runtime.grad_reducer import GradientReducer, bucket_capacity, slot_count
+from zero3.passes.grad_reducer import GradientReducer, bucket_capacity, slot_count
 from zero3.optim import spec as optimizer_spec
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -280,7 +280,7 @@ def state_bytes(layout: RankLayout, settings: EstimateSettings) -> dict[str, dic
     places["lp_params"]["disk"] += layout.lp_on_disk * lp_size
     if not masters_are_shards(settings.compute_dtype, settings.offload_optimizer, settings.offload_param):
         places["hp_params"][optimizer_home] = layout.trainable * FP32_BYTES
-    # Shards made on demand are held only from the backward to the step (zero3.runtime.grad_shards' Notes):
+    # Shards made on demand are held only from the backward to the step (zero3.step.grad_shards' Notes):
     # none between steps, which is what these bytes are (`backward_bytes`).
     places["lp_grads"][grads_home] = 0 if _grads_on_demand(layout, settings) else (
         layout.trainable * settings.grad_dtype.itemsize)

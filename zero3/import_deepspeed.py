@@ -25,7 +25,7 @@ from torch import nn
 from zero3.checkpoint import deepspeed_files
 from zero3.checkpoint.tags import CheckpointError
 from zero3.partition.flat_buffer import Slot
-from zero3.runtime.initialize import initialize
+from zero3.engine.initialize import initialize
 
 # Keys of DeepSpeed's config that describe its own machinery, not the run: left out of the importing engine.
 _NOT_THE_RUN = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "checkpoint")

@@ -5,15 +5,15 @@ others waiting in a collective it will never make, or stepping while it does
 not. So wherever a rank can fail alone, the ranks agree on a flag at a point
 they all reach:
 * a pass (forward, backward): its last marker already carries a flag per rank
-  (zero3.runtime.gather_walk); a rank that raised sets its flag, after still
+  (zero3.passes.gather_walk); a rank that raised sets its flag, after still
   walking the pass to its end with the others;
 * the step: its gradient flags, and one flag round after its walk
-  (zero3.runtime.optimizer's [Note: a step on every rank or on none]);
+  (zero3.step.optimizer's [Note: a step on every rank or on none]);
 * calls between steps (initialize's checks, offload and reload, checkpoint
   loads): one exchange of what each rank saw (`agreed`);
 * a failure in the user's code between the engine's calls (one rank's data,
   a check on its loss): `engine.zero_grad()` makes that rank's part of the
-  call the others are in, as a rank that failed (zero3.runtime.engine's
+  call the others are in, as a rank that failed (zero3.engine.engine's
   [Note: a failure between the engine's calls]).
 If any flag is set, every rank exchanges what happened, and each rank that did
 not fail raises the failing rank's exception type with "rank R failed in

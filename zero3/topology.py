@@ -11,7 +11,7 @@ tensor-parallel code in its forward) would otherwise pair with another rank's
 parameter gather whenever the ranks take different routes through the model,
 and both would wait forever. (Separate groups keep each sequence paired; they
 do not let a rank blocked in the model's own collective issue a gather
-another rank waits on: zero3.runtime.gather_walk's [Note: lockstep gathers]
+another rank waits on: zero3.passes.gather_walk's [Note: lockstep gathers]
 says what a model's collectives must do.) Which collective runs on which
 group: [Note: the engine's groups] below.
 
@@ -34,7 +34,7 @@ A collective sequence must match only within a group, so collectives whose
 order or timing differs between ranks get a group of their own:
 
 * `gather_group`: the shard group's parameter all-gathers, in the order of
-  the lockstep gather walk (zero3.runtime.gather_walk), which every rank
+  the lockstep gather walk (zero3.passes.gather_walk), which every rank
   issues identically; the step's norm sum too.
 * `reduce_group`: the same ranks, for gradient reduce-scatters, which run in
   a canonical bucket order but start when each rank's backward reaches

@@ -48,7 +48,7 @@ log = logging.getLogger("zero3")
 
 
 # The engine's part of moving buffers: let go of every view of each buffer, then point it at its new tensor
-# (zero3.runtime.engine_checkpoints).
+# (zero3.engine.checkpoints).
 Adopt = Callable[[dict[FlatBuffer, torch.Tensor]], None]
 
 

@@ -81,7 +81,7 @@ class MasterShards(Protocol):
 
 
 class CheckpointedOptimizer(Protocol):
-    """What a save or a load reads and writes of the engine's optimizer (zero3.runtime.optimizer)."""
+    """What a save or a load reads and writes of the engine's optimizer (zero3.step.optimizer)."""
 
     params: list[ShardedParam]
     masters: Mapping[ShardedParam, MasterShards]

@@ -16,7 +16,7 @@ _ValidationMode = Annotated[
 class CheckpointConfig(_Model):
     """The `checkpoint` section: DeepSpeed's keys (accepted; DEEPSPEED_KEYS says what each does here) and
     zero3's automatic checkpoints (`engine.step` saves every `interval_steps`, `zero3.initialize` resumes:
-    zero3.runtime.engine_checkpoints' `_save_on_interval` and `resume_from_config`)."""
+    zero3.engine.checkpoints' `_save_on_interval` and `resume_from_config`)."""
 
     # zero3's: save every `interval_steps` optimizer steps into `dir`, keep the newest `keep_last` complete
     # tags, write in the background with `async_save`, and start from the newest one with `resume`.

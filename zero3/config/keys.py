@@ -309,7 +309,7 @@ OPTIMIZER_TYPES: dict[str, str] = {
              "torch's defaults",
 }
 
-# The `scheduler` section's types (zero3.runtime.lr_schedules, DeepSpeed's five).
+# The `scheduler` section's types (zero3.step.lr_schedules, DeepSpeed's five).
 SCHEDULER_TYPES: dict[str, str] = {
     "LRRangeTest": "the lr grows from `lr_range_test_min_lr` by `lr_range_test_step_rate` times it per "
                    "`lr_range_test_step_size` steps (in whole stairs with `lr_range_test_staircase`), without end",

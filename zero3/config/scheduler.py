@@ -1,4 +1,4 @@
-"""The `scheduler` section: DeepSpeed's five schedulers (deepspeed/runtime/lr_schedules.py), with its key
+"""The `scheduler` section: DeepSpeed's five schedulers (deepspeed/step/lr_schedules.py), with its key
 names and defaults."""
 
 from __future__ import annotations

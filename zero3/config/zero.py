@@ -52,7 +52,7 @@ class OffloadOptimizerConfig(_OffloadBase):
     pipeline_write: bool = False
     fast_init: bool = False
     # DeepSpeed's SuperOffload switch: the host step of each sub-group begins during the backward, as its
-    # gradients land, and is kept or undone exactly at the step (zero3.runtime.early_step).
+    # gradients land, and is kept or undone exactly at the step (zero3.step.early_step).
     super_offload: bool = False
     # DeepSpeed's share of the host's cores for its CPU Adam under SuperOffload (torch's threads step here).
     cpuadam_cores_perc: float = Field(default=0.8, gt=0, le=1)

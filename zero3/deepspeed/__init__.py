@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zero3
 from zero3 import init_distributed
-from zero3.runtime.engine import ZeroEngine as DeepSpeedEngine
+from zero3.engine.engine import ZeroEngine as DeepSpeedEngine
 from zero3.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils
 from zero3.deepspeed.runtime import lr_schedules, zero
 

@@ -47,7 +47,7 @@ FORMAT = 1
 
 
 class PeerOptimizer(Protocol):
-    """The optimizer's part of a peer's state (zero3.runtime.optimizer's `ZeroOptimizer`)."""
+    """The optimizer's part of a peer's state (zero3.step.optimizer's `ZeroOptimizer`)."""
 
     params: list[ShardedParam]  # every trained parameter, in the optimizer's order
     hp_params: FlatBuffer | None  # the fp32 masters' buffer (None: the masters are the shards)

@@ -44,7 +44,7 @@ import zero3
 from zero3.integrations.hf_config import fill_from_training_arguments, read_zero3_config
 from zero3.integrations.hf_loading import from_pretrained
 from zero3.integrations.hf_resize import resize_token_embeddings
-from zero3.runtime.engine import ZeroEngine
+from zero3.engine.engine import ZeroEngine
 
 __all__ = ["Zero3Trainer", "Zero3TrainerMixin", "from_pretrained", "resize_token_embeddings"]
 
@@ -145,7 +145,7 @@ class Zero3TrainerMixin:
             torch_optimizer = self.optimizer.optimizer
             if "scheduler" in self.zero3_config:
                 from zero3.config import load_config
-                from zero3.runtime.lr_schedules import build_lr_scheduler
+                from zero3.step.lr_schedules import build_lr_scheduler
 
                 filled = fill_from_training_arguments(
                     self.zero3_config, self.args, self.accelerator.num_processes, self.model, max_steps,

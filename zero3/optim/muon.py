@@ -4,7 +4,7 @@
 Muon's update of a matrix is `orthogonalize(g.lerp(m, momentum))` (Newton-Schulz on the
 whole nesterov direction, m the momentum buffer), which no rank can compute from its shard.
 Everything around it is elementwise: the momentum update, the direction, the decay and the
-step. So a step runs in three phases (zero3.runtime.optimizer drives them):
+step. So a step runs in three phases (zero3.step.optimizer drives them):
 1. each rank computes its shard of every matrix's direction (`direction`), reading but not
    writing the momentum (a disk tier's failed step must leave the state as it was);
 2. `MatrixExchange` brings each matrix's shards to its owner rank (owners balanced by size,
@@ -104,7 +104,7 @@ def direction(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: float
 class MuonAdamW(torch.optim.Optimizer):
     """Steps the shards: AdamW for the groups with `use_muon: False`; for the others, the elementwise
     end of Muon's step, given each piece's orthogonalized update in `updates` and its whole
-    matrix's shape in `shapes` (both set by zero3.runtime.optimizer before each step)."""
+    matrix's shape in `shapes` (both set by zero3.step.optimizer before each step)."""
 
     def __init__(self, params: Iterable[dict[str, Any]], settings: MuonParams) -> None:
         # A group names its kind (`use_muon`); what it leaves out is AdamW's (see group_options).

@@ -140,7 +140,7 @@ class ParamGather:
     def start_stand_in(self, shard_numel: int, dtype: torch.dtype, reserve: torch.Tensor) -> PendingGather:
         """This rank's part in a gather whose result it will not use (a pass that failed here): the same
         collective as `start`'s, with zeros sent and the result landing in `reserve` (bytes, at least
-        `stand_in_nbytes`): nothing read from a tier, nothing allocated (zero3.runtime.gather_walk's Note)."""
+        `stand_in_nbytes`): nothing read from a tier, nothing allocated (zero3.passes.gather_walk's Note)."""
         numel, wire_dtype = self._wire(shard_numel, dtype)
         size = self.mesh.shard_size
         shard, output = stand_in_room(reserve, numel, size * numel, wire_dtype)
@@ -184,7 +184,7 @@ def stand_in_nbytes(shard_numel: int, output_numel: int, dtype: torch.dtype) -> 
 def stand_in_room(reserve: torch.Tensor, shard_numel: int, output_numel: int, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A stand-in gather's zeroed shard to send and its output, carved from `reserve` (bytes): the same sizes
-    as the real gather's, nothing allocated (zero3.runtime.gather_walk's Note)."""
+    as the real gather's, nothing allocated (zero3.passes.gather_walk's Note)."""
     room = reserve[: stand_in_nbytes(shard_numel, output_numel, dtype)].view(dtype)
     shard, output = room[:shard_numel], room[shard_numel:]
     shard.zero_()
@@ -202,7 +202,7 @@ def gather_full_fp32(sp: ShardedParam, gather: ParamGather, device: torch.device
 class GradReduce:
     """The gradient reduction of one mesh's shard group: a reduce-scatter per bucket. Where the mesh has
     replicas, the reduced shards are summed across them once per step, not here: see
-    `Communicator.all_reduce_replicas` (zero3.runtime.optimizer's `agree_on_gradients`)."""
+    `Communicator.all_reduce_replicas` (zero3.step.optimizer's `agree_on_gradients`)."""
 
     def __init__(self, mesh: ShardMesh, comm: Communicator | None) -> None:
         self.mesh = mesh

@@ -2,7 +2,7 @@
 module owns (a tied weight read by attribute, a parameter passed in).
 
 zero3 finds such uses itself (an attribute read of a partitioned parameter inside a forward gathers
-it into that forward's frame: zero3.runtime.coordinator's `on_access`), so ported code needs no
+it into that forward's frame: zero3.passes.coordinator's `on_access`), so ported code needs no
 call. The call is accepted and does what DeepSpeed's does: the parameter is gathered with the
 module, every time the module's forward runs, whether or not it reads it.
 """

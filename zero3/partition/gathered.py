@@ -93,7 +93,7 @@ class GatheredParameters:
         others one naming it) with nothing gathered, rather than leaving the others in gathers it never
         joins. Shards that live on the device need no agreement (a view of them cannot fail), and whether
         a unit has a tier is the config's, the same on every rank. Inside a pass the walk gathers, and a
-        failure there is the pass's (zero3.runtime.gather_walk)."""
+        failure there is the pass's (zero3.passes.gather_walk)."""
         direct = [unit for unit in self.units if unit.gathers_directly()]
         protocol = self._protocol()
         if protocol is None or not any(unit.source is not None for unit in direct):

@@ -5,7 +5,7 @@ returns, and the engine's build for whatever Init did not reach). `build_units` 
 shards: one unit per module (or per leaf module), plus one persistent unit of the small
 parameters, and records which units each module's forward must hold. Units are per module, not
 chosen by the user as FSDP2's `fully_shard` calls are. `partition_model` is the engine build's
-whole partition stage, these steps in order (zero3.runtime.build's [Note: build order]).
+whole partition stage, these steps in order (zero3.engine.build's [Note: build order]).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class ShardedParam:
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
         # master): the optimizer adds its own and keeps everything else of its state to itself.
         self.followers: list[Slot] = []
-        # What keeps the fp32 master the 16-bit shard follows (zero3.runtime.optimizer), told when the shard
+        # What keeps the fp32 master the 16-bit shard follows (zero3.step.optimizer), told when the shard
         # was lost: it writes the shards again from the masters before their next use.
         self.master_keeper: MasterKeeper | None = None
         # fp32 copy of this rank's shard taken at partition time, so the master

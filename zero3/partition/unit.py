@@ -8,7 +8,7 @@ first). The gather itself (copy-in, collective, copy-out to each parameter's
 contiguous value) is the mesh's `ParamGather` (zero3.partition.collectives).
 A unit changes state only through its methods (`start_unshard`, `wait`,
 `reshard`), and stays gathered while it has a `Hold`
-(zero3.runtime.coordinator's [Note: who holds a gathered unit]).
+(zero3.passes.coordinator's [Note: who holds a gathered unit]).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def unit_of(sp: ShardedParam) -> "GatherUnit | None":
 
 
 class UnitDriver(Protocol):
-    """The runtime that drives a unit's gathers (zero3.runtime.coordinator): told of every state change
+    """The runtime that drives a unit's gathers (zero3.passes.coordinator): told of every state change
     (it maps gathered storage back to units and counts gathered elements), and asked to bring the unit
     in (through its lockstep walk)."""
 
@@ -255,7 +255,7 @@ class GatherUnit:
     def start_stand_in(self, reserve: torch.Tensor) -> PendingGather:
         """This rank's part in the all-gather `start_gather` would issue now, for a pass this rank failed:
         the same collective (group, codec, sizes), with zeros sent and the result landing in `reserve`,
-        so nothing is read from a tier and nothing allocated (zero3.runtime.gather_walk's Note). The
+        so nothing is read from a tier and nothing allocated (zero3.passes.gather_walk's Note). The
         unit's state is left as it is."""
         secondary = self.secondary
         if secondary is not None and secondary.usable(self):

@@ -2,7 +2,7 @@
 training engine, whole, delivered to an inference model in-process (`load_into`), to another process on this
 machine through shared memory (`SharedMemorySender` / `SharedMemoryReceiver`), or to generator ranks anywhere
 by a broadcast over a group of their own (`sync_group`, `BroadcastSender` / `BroadcastReceiver`). Each is
-collective on the training ranks and streams the engine's weight buckets (zero3.runtime.weight_buckets), so
+collective on the training ranks and streams the engine's weight buckets (zero3.weights.buckets), so
 the next bucket is gathered while one is delivered.
 """
 

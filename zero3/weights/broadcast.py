@@ -3,7 +3,7 @@
 [Note: weights by broadcast]
 The generator's ranks are not in the training job: they join training rank 0 in a group of their own
 (`sync_group`: a TCPStore that training rank 0 serves, and a gloo process group over it, NCCL on GPUs),
-so neither job's world changes. For each of the engine's weight buckets (zero3.runtime.weight_buckets),
+so neither job's world changes. For each of the engine's weight buckets (zero3.weights.buckets),
 training rank 0 broadcasts a header (the JSON of each parameter's name, shape, dtype and offset, as bytes
 in a uint8 tensor, after its length) and then the bucket's flat tensor; each receiver yields
 `(name, tensor)` views of what arrived, valid until it asks for the next bucket's first parameter. A

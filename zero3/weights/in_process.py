@@ -1,7 +1,7 @@
 """Weights to a generator in this process: a Hugging Face model, or any module, gets the engine's weights.
 
 No `load_state_dict`: each whole parameter is copied into the generator's parameter of the mapped name as its
-bucket arrives (zero3.runtime.weight_buckets), so the extra memory is the buckets in flight, never a second
+bucket arrives (zero3.weights.buckets), so the extra memory is the buckets in flight, never a second
 copy of the model. Tied weights arrive once (under their first name) and reach every name they are tied to,
 since those are one parameter in the generator too. Every name is checked (it exists, its shape matches) on
 every rank before anything is gathered or copied, and the ranks agree on the result.
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero3.runtime import full_params
+from zero3.weights import full_params
 from zero3.weights.wire import DEFAULT_BUCKET_BYTES, NameMap, mapped
 
 

@@ -4,7 +4,7 @@
 Training rank 0 listens on a `multiprocessing.connection` address (an HMAC
 handshake with `authkey`); the generator's process connects a
 `SharedMemoryReceiver`. Each `send()` (collective on the training ranks)
-streams the engine's weight buckets (zero3.runtime.weight_buckets): rank 0
+streams the engine's weight buckets (zero3.weights.buckets): rank 0
 copies each bucket into one of two POSIX shared-memory segments and sends the
 receiver a JSON message (the segment's name and each parameter's name,
 shape, dtype and offset); the receiver yields `(name, tensor)` views of the

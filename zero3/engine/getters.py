@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 
 from zero3.config import BatchSizes, Zero3Config
-from zero3.runtime.build import EngineParts
-from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.engine.build import EngineParts
+from zero3.step.optimizer import ZeroOptimizer
 
 
 class DeepSpeedGetters:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from zero3.partition.flat_buffer import FlatBuffer
-from zero3.runtime.grad_shards import Piece
+from zero3.step.grad_shards import Piece
 
 
 @dataclass

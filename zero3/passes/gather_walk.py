@@ -37,7 +37,7 @@ FSDP require. On ranks that took different routes, that breaks the argument
 above: a rank blocked in the model's all-reduce issues nothing, while a
 peer waits, before its own all-reduce, on a gather further along the
 sequence (often past a MARK) that only the blocked rank could pair. So each
-rank keeps a keeper thread (zero3.runtime.walk_keeper) that issues the
+rank keeps a keeper thread (zero3.passes.walk_keeper) that issues the
 sequence on the rank's behalf while its own thread is away from the walk:
 after KEEPER_IDLE_S it issues the rest of the current segment (what the
 rank's own end of pass would issue anyway), and after KEEPER_CROSS_S it

@@ -3,7 +3,7 @@
 [Note: optimizer layout]
 Trainable parameters are laid out in optimizer-group order in flat buffers
 with one shared offset map: `hp_params` (fp32 master), `lp_grads` (the
-reduced gradients, in `grad_accum_dtype`: zero3.runtime.grad_shards, built by
+reduced gradients, in `grad_accum_dtype`: zero3.step.grad_shards, built by
 the engine and shared with the reducer), and one per elementwise state of the
 optimizer (Adam: `exp_avg`, `exp_avg_sq`; together the `optim_states`; see
 zero3.optim.spec). The fp32 buffers belong to a tier (zero3.offload's
@@ -59,10 +59,10 @@ from zero3.optim import spec as optimizer_spec
 from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.early_step import EarlySteps
-from zero3.runtime.optimizer_layout import ScalarSnapshot, SubGroup
-from zero3.runtime.grad_shards import GradShards, Piece
-from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.step.early_step import EarlySteps
+from zero3.step.layout import ScalarSnapshot, SubGroup
+from zero3.step.grad_shards import GradShards, Piece
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
 
 
@@ -104,7 +104,7 @@ _MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKey
 
 def settle_for_accessor(sp: ShardedParam) -> None:
     """Before an accessor reads `sp`'s master or moments, or writes its gradient or master: the backward's
-    early steps are undone (zero3.runtime.early_step), so it sees no speculated value."""
+    early steps are undone (zero3.step.early_step), so it sees no speculated value."""
     slots = _MASTERS.get(sp)
     if slots is not None:
         slots.owner.before_state_change()  # (a write must not reach a save reading the state in place)
@@ -243,11 +243,11 @@ class ZeroOptimizer:
         self.link_lp()
         self.grads_in_place = steps_on_its_gradients(grads, self.step_device, self.states.transactional,
                                                      muon=self.exchange is not None)
-        # ZeRO-Offload's step begun during the backward (zero3.runtime.early_step), where the engine asks.
+        # ZeRO-Offload's step begun during the backward (zero3.step.early_step), where the engine asks.
         self.early: EarlySteps | None = None
 
     def overlap_host_step(self, early: EarlySteps) -> None:
-        """Step each sub-group on a host thread as its gradients land, by `early` (see zero3.runtime.early_step's
+        """Step each sub-group on a host thread as its gradients land, by `early` (see zero3.step.early_step's
         Note); the engine's build makes it and wires the reducer's landings to it."""
         if self.exchange is not None:
             raise ValueError("offload_optimizer.super_offload steps each sub-group on its own as its gradients "
@@ -531,7 +531,7 @@ class ZeroOptimizer:
             return True, norm
         # Why the backward's early steps are not this step's operation, if they are not (one host read). Asked
         # at every step of an overlapped host step, armed or not: the next backward speculates only after a
-        # step whose values would have kept it (zero3.runtime.early_step's Note).
+        # step whose values would have kept it (zero3.step.early_step's Note).
         judged = self.early is not None
         why_not: str | None = None
         if judged and found_inf is not None and bool(overflow.item()):
@@ -562,7 +562,7 @@ class ZeroOptimizer:
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
         # The sub-groups the backward stepped early, kept where they made this step's operation (see
-        # zero3.runtime.early_step's Note); else undone, and stepped below with the rest.
+        # zero3.step.early_step's Note); else undone, and stepped below with the rest.
         stepped_early = early.keep_or_undo(why_not) if early is not None else set()
         if self.exchange is not None:
             try:
@@ -769,7 +769,7 @@ class ZeroOptimizer:
 
     def scalar_snapshot(self) -> ScalarSnapshot:
         """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
-        on some rank (a transactional tier's) or its early part is undone (zero3.runtime.early_step). The
+        on some rank (a transactional tier's) or its early part is undone (zero3.step.early_step). The
         0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not one clone per piece:
         this runs at every such step."""
         fresh: list[nn.Parameter] = []

@@ -1,6 +1,6 @@
 """The walk keeper: a thread that issues a rank's gather walk while the rank's own thread is away.
 
-See zero3.runtime.gather_walk's [Note: the walk's keeper]: a model's own collective, on ranks that took
+See zero3.passes.gather_walk's [Note: the walk's keeper]: a model's own collective, on ranks that took
 different routes, would otherwise leave a peer waiting on a gather that only the blocked rank can pair.
 The keeper looks at each walk a few times a second and never waits on a collective, so it costs nothing
 while the rank's thread keeps calling into the walk, and it stops with the engine.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zero3.runtime.gather_walk import GatherWalk
+from zero3.passes.gather_walk import GatherWalk
 
 log = logging.getLogger("zero3")
 

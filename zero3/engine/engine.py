@@ -1,6 +1,6 @@
 """The training engine: the object `zero3.initialize` returns.
 
-`ZeroEngine` composes the parts zero3.runtime.build makes (`self.parts`): a forward runs the
+`ZeroEngine` composes the parts zero3.engine.build makes (`self.parts`): a forward runs the
 module (the coordinator's hooks gather each unit), `backward` brackets autograd's backward (the
 gradient hooks hand gradients to the reducer), `step` steps the optimizer at the accumulation
 boundary. It also keeps the step counters and agrees failures across ranks (the Note below).
@@ -32,13 +32,13 @@ from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
 from zero3.shard_mesh import ShardMesh
 from zero3.partition.unit import GatherUnit
-from zero3.runtime.build import build
-from zero3.runtime.engine_checkpoints import CheckpointMethods
-from zero3.runtime.engine_getters import DeepSpeedGetters
-from zero3.runtime.engine_offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
-from zero3.runtime.lr_schedules import build_lr_scheduler
+from zero3.engine.build import build
+from zero3.engine.checkpoints import CheckpointMethods
+from zero3.engine.getters import DeepSpeedGetters
+from zero3.engine.offload import BACKWARD_NEEDS, FORWARD_NEEDS, STEP_NEEDS, OffloadMethods
+from zero3.step.lr_schedules import build_lr_scheduler
 from zero3.step_protocol import Owed, StepProtocol
-from zero3.runtime.timers import StepTimers
+from zero3.engine.timers import StepTimers
 
 log = logging.getLogger("zero3")
 
@@ -277,7 +277,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the fp16 loss scale, for a plain `.backward()` (DeepSpeed's method): the
         gradients are then handled as engine.backward's are (see the Note on a plain loss.backward() in
-        zero3.runtime.grad_hooks). Without an fp16 scale it returns `loss` itself."""
+        zero3.passes.grad_hooks). Without an fp16 scale it returns `loss` itself."""
         self._check_alive()
         if self.optimizer is None:
             raise RuntimeError(f"engine.scale {NO_OPTIMIZER}")
@@ -460,7 +460,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             raise RuntimeError("this zero3 engine was destroyed")
 
     def _check_consistent(self, what: str) -> None:
-        """Refuse to train on shards from different steps (zero3.runtime.optimizer's Note)."""
+        """Refuse to train on shards from different steps (zero3.step.optimizer's Note)."""
         if self.optimizer is not None and self.optimizer.diverged is not None:
             raise RuntimeError(f"engine.{what}() refused: {self.optimizer.diverged}")
 

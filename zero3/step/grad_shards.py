@@ -43,7 +43,7 @@ the same elements in the same order.
 Where the device is the CPU the activations are glibc heap blocks, freed as
 the backward goes. A flat lp_grads is a mapping of its own: its pages come
 back as gradients land, on top of the freed activations' pages, which glibc
-keeps resident unless they are handed back (zero3.runtime.host_heap; each
+keeps resident unless they are handed back (zero3.passes.host_heap; each
 page handed back faults again in the next forward). Chunks made on demand
 are heap blocks too (a gather unit's shards; glibc's mmap threshold grows to
 such sizes once one is freed), so they take the freed activations' places,
@@ -246,7 +246,7 @@ class GradShards:
     def param_shaped_views(self) -> dict[ShardedParam, torch.Tensor]:
         """Every slot viewed in its parameter's shape, made once per buffer tensor: at a world of one a
         slot holds the whole parameter, and the reducer adds gradients into these (or autograd does:
-        zero3.runtime.grad_hooks). On demand: the shards held now."""
+        zero3.passes.grad_hooks). On demand: the shards held now."""
         if self.buffer is None:
             return {sp: self.view(sp).view(sp.shape) for sp in self.params if self._chunk_of[sp] in self._own}
         tensor = self.buffer.tensor  # waits for an in-flight copy; raises if the buffer is on disk

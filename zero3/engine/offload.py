@@ -19,7 +19,7 @@ from zero3.offload.manager import StateOffloader
 from zero3.offload.report import StateReport
 from zero3.partition.flat_buffer import StateOffloadedError
 from zero3.step_protocol import StepProtocol
-from zero3.runtime.build import EngineParts
+from zero3.engine.build import EngineParts
 
 if TYPE_CHECKING:
     from zero3.checkpoint.async_saves import AsyncSaves

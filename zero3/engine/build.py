@@ -46,13 +46,13 @@ from zero3.partition.sharded_param import ATTR, ShardedParam, mark_released, sha
 from zero3.shard_mesh import ShardMesh
 from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
-from zero3.runtime.coordinator import ParamCoordinator
-from zero3.runtime.early_step import EarlySteps
-from zero3.runtime.grad_hooks import BackwardPass
-from zero3.runtime.grad_reducer import GradientReducer
-from zero3.runtime.grad_shards import GradShards, made_on_demand
-from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
-from zero3.runtime.optimizer import ZeroOptimizer, steps_on_its_gradients
+from zero3.passes.coordinator import ParamCoordinator
+from zero3.step.early_step import EarlySteps
+from zero3.passes.grad_hooks import BackwardPass
+from zero3.passes.grad_reducer import GradientReducer
+from zero3.step.grad_shards import GradShards, made_on_demand
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
+from zero3.step.optimizer import ZeroOptimizer, steps_on_its_gradients
 from zero3.step_protocol import Owed, StepProtocol
 
 log = logging.getLogger("zero3")

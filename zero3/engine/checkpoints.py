@@ -25,11 +25,11 @@ from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.step_protocol import StepProtocol
-from zero3.runtime.build import EngineParts
-from zero3.runtime.engine_offload import CHECKPOINT_NEEDS
-from zero3.runtime import rng_state
-from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
-from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.engine.build import EngineParts
+from zero3.engine.offload import CHECKPOINT_NEEDS
+from zero3.engine import rng_state
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.step.optimizer import ZeroOptimizer
 
 if TYPE_CHECKING:
     from zero3.fault_tolerance.replica_step import ReplicaStep
@@ -234,7 +234,8 @@ class CheckpointMethods:
         they rest (host memory or disk) and stay parked. Works with the
         offload_param tiers. Buffers are not yielded.
         """
-        from zero3.runtime import full_params, weight_buckets
+        from zero3.weights import full_params
+        from zero3.weights import buckets as weight_buckets
 
         if bucket_bytes is not None:
             return weight_buckets.whole_params(iter(self.iter_weight_buckets(bucket_bytes, dtype, names)))
@@ -251,12 +252,13 @@ class CheckpointMethods:
         """Yield `zero3.WeightBucket`s: every parameter, whole, packed in the order the engine stores their
         shards (so that a bucket's shards are sent, and on a world of one handed out, as a view of the engine's
         buffer) into flat tensors of at most `bucket_bytes` (a larger parameter alone), each gathered in one exact all-gather
-        while the consumer reads the previous one (zero3.runtime.weight_buckets' Note); collective, as
+        while the consumer reads the previous one (zero3.weights.buckets' Note); collective, as
         `iter_full_params`. A bucket's `entries` give each parameter's name, shape, dtype and offset in
         `flat`; on CUDA wait on its `event` before reading from another stream or process; call its
         `release()` when done: a bucket not released is never written again (the next ones take new memory).
         """
-        from zero3.runtime import full_params, weight_buckets
+        from zero3.weights import full_params
+        from zero3.weights import buckets as weight_buckets
 
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected a positive number of bytes")

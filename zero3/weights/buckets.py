@@ -2,7 +2,7 @@
 
 [Note: weight buckets]
 An RLHF step ends by handing every weight to the generator, on the critical
-path. One all-gather per parameter (zero3.runtime.full_params) pays a
+path. One all-gather per parameter (zero3.weights.full_params) pays a
 collective's latency hundreds of times; here parameters are packed into
 buckets of at most `bucket_bytes` (a larger parameter gets a bucket of its
 own), and each bucket is one exact all-gather (never qwZ's quantized one):
@@ -50,7 +50,7 @@ import torch
 from zero3.comm import Communicator
 from zero3.partition.collectives import ParamGather, PendingGather
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.full_params import GatherBuffer, ParkedStates, read_own_shard
+from zero3.weights.full_params import GatherBuffer, ParkedStates, read_own_shard
 
 
 @dataclass(frozen=True)

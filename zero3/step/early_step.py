@@ -61,13 +61,13 @@ import torch
 from zero3.helper_threads import HelperThreads
 from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.loss_scaler import LossScaler
-from zero3.runtime.optimizer_layout import ScalarSnapshot, SubGroup
+from zero3.step.grad_shards import GradShards
+from zero3.step.loss_scaler import LossScaler
+from zero3.step.layout import ScalarSnapshot, SubGroup
 
 
 class HostStepper(Protocol):
-    """What the early steps use of the optimizer they step ahead of (zero3.runtime.optimizer's)."""
+    """What the early steps use of the optimizer they step ahead of (zero3.step.optimizer's)."""
 
     sub_groups: list[SubGroup]
     states: OptimizerStates

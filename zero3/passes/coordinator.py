@@ -21,7 +21,7 @@ A unit stays gathered while anyone holds it (`GatherUnit.acquire`, by `Hold`):
   shards: nothing is freed on release) needs none of that: see [Note: saved
   by reference].
 * the gather walk: every gather of a pass goes through that pass's lockstep
-  walk (zero3.runtime.gather_walk), which also prefetches. Units it gathered
+  walk (zero3.passes.gather_walk), which also prefetches. Units it gathered
   ahead are held by the walk until claimed, or released when it needs room
   or the pass ends.
 
@@ -65,9 +65,9 @@ from zero3.shard_mesh import ShardMesh
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.partition.secondary import SecondaryShards
 from zero3.partition.unit import GatherUnit, Hold, UnitState
-from zero3.runtime.gather_walk import GatherWalk, LiveCount
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.walk_keeper import WalkKeeper
+from zero3.passes.gather_walk import GatherWalk, LiveCount
+from zero3.step.grad_shards import GradShards
+from zero3.passes.walk_keeper import WalkKeeper
 from zero3.step_protocol import StepProtocol, TrainingState
 
 

@@ -4,7 +4,7 @@ backward pass (the coordinator holds what backward reads, the reducer sends what
 [Note: gradients accumulated in place]
 A gradient normally reaches the engine through a post-accumulate hook: autograd
 stores it as `param.grad`, the hook hands it to the reducer and drops it. At a
-world of one that saves for backward by reference (zero3.runtime.coordinator),
+world of one that saves for backward by reference (zero3.passes.coordinator),
 where a parameter's gradient would only be added to its `lp_grads` slot as it
 is (same dtype, no scaling), autograd can do that itself: a pre-hook, run as
 the gradient arrives, points `param.grad` at the slot (shaped like the
@@ -25,10 +25,10 @@ import torch
 
 from zero3.partition.sharded_param import ShardedParam
 from zero3.partition.unit import GatherUnit, UnitState
-from zero3.runtime.coordinator import ParamCoordinator
-from zero3.runtime.grad_reducer import GradientReducer
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.passes.coordinator import ParamCoordinator
+from zero3.passes.grad_reducer import GradientReducer
+from zero3.step.grad_shards import GradShards
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
 
 log = logging.getLogger("zero3")
 

@@ -21,7 +21,7 @@ it again, most of it from the hand-back at the start of the backward (the
 peak-memory and step-time effect is measured by `benchmarks/step_time.py
 --memory`; docs/benchmarks.md has the figures). On CUDA the activations are in
 device memory and nothing is done. Nor where the gradient shards are made on
-demand (at several CPU ranks: zero3.runtime.grad_shards' Note "on demand on
+demand (at several CPU ranks: zero3.step.grad_shards' Note "on demand on
 the CPU"): those are heap blocks that reuse the freed pages, so a hand-back
 would only make the next forward fault them in again. What is left is a world
 of one, whose flat lp_grads the gradients are added straight into.

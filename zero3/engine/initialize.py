@@ -16,9 +16,9 @@ from zero3.fault_tolerance import replicas as fault_tolerance
 from zero3.optim import spec as optimizer_spec
 from zero3.partition.init_context import Init
 from zero3.partition.sharded_param import released_by_destroy
-from zero3.runtime.dataloader import check_dataset, training_loader
-from zero3.runtime.engine import ZeroEngine
-from zero3.runtime.optimizer import ZeroOptimizer
+from zero3.engine.dataloader import check_dataset, training_loader
+from zero3.engine.engine import ZeroEngine
+from zero3.step.optimizer import ZeroOptimizer
 from zero3.topology import Topology
 
 
@@ -41,7 +41,7 @@ def initialize(
     the engine builds the same class, hyperparameters and groups over its fp32
     shards, and takes over any state it has; the client object is not used
     afterwards). Not both. `training_data` (a map-style dataset) comes back
-    as a DataLoader over this rank's share of it (see zero3.runtime.dataloader),
+    as a DataLoader over this rank's share of it (see zero3.engine.dataloader),
     batched by `collate_fn` if given. `lr_scheduler` may be
     a scheduler factory taking the torch optimizer. `device` picks the device
     as `zero3.Init` does (see `zero3.accelerator.resolve_device`). `mesh` (a torch DeviceMesh over the

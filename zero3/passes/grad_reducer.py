@@ -27,7 +27,7 @@ factor/world after it (`prescale_gradients` divides by world before).
 A slot is reused once its reduction has landed. On CUDA that wait is a
 stream wait, which never blocks this thread. On the CPU it would block, and
 during a backward another rank may need this one to walk on first
-(zero3.runtime.gather_walk), so a busy slot whose reduction has not finished
+(zero3.passes.gather_walk), so a busy slot whose reduction has not finished
 is replaced by a fresh buffer instead; the backward thread never blocks on a
 reduce-scatter before every rank has left the backward. (A gloo
 reduce-scatter's work never reports `is_completed()` in torch 2.13: its
@@ -72,8 +72,8 @@ from zero3.offload.host import copy_to_host
 from zero3.partition.collectives import GradReduce
 from zero3.partition.flat_buffer import FlatBuffer, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam
-from zero3.runtime.grad_shards import GradShards
-from zero3.runtime.host_heap import FreedHeapReturn
+from zero3.step.grad_shards import GradShards
+from zero3.passes.host_heap import FreedHeapReturn
 
 
 # A backward's gradients go out in at least this many buckets where the model allows (a bucket still never
@@ -186,10 +186,10 @@ class GradientReducer:
         ]
         self.fresh_buffers = 0  # buckets that found no free slot (see the Note), over the engine's life
         # On the CPU: the heap the backward frees goes back to the OS as gradients land in a flat lp_grads
-        # (zero3.runtime.host_heap); shards made on demand reuse it instead.
+        # (zero3.passes.host_heap); shards made on demand reuse it instead.
         self.heap_return = FreedHeapReturn(device, needed=grads is None or not grads.on_demand)
         # Told of each landed shard's parameters, and of a late round (the overlapped host step:
-        # zero3.runtime.early_step).
+        # zero3.step.early_step).
         self.on_landed: Callable[[list[ShardedParam]], None] | None = None
         self.on_late_round: Callable[[], None] | None = None
 
@@ -301,7 +301,7 @@ class GradientReducer:
 
     def _shaped(self, sp: ShardedParam) -> torch.Tensor:
         view = self._direct_views.get(sp)
-        if view is None:  # an on-demand shard, made at its first gradient (zero3.runtime.grad_shards' Note)
+        if view is None:  # an on-demand shard, made at its first gradient (zero3.step.grad_shards' Note)
             assert self.grads is not None
             view = self._direct_views[sp] = self.grads.shaped(sp)
         return view
