@@ -120,7 +120,7 @@ def one_copy(rank: int, world: int, root: str, offload: bool) -> dict:
     the second, each time brought back."""
     from tests import models
     from zero3.partition.sharded_param import sharded
-    from zero3.step.optimizer import master_slots
+    from zero3.step.masters import master_slots
 
     cfg = {
         "train_micro_batch_size_per_gpu": 2,

@@ -27,7 +27,7 @@ from zero3.partition.flat_buffer import Slot, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam, require_sharded
 from zero3.partition.unit import UnitState, unit_of
 from zero3.step.grad_shards import GradShards
-from zero3.step.optimizer import master_slots, settle_for_accessor
+from zero3.step.masters import master_slots, settle_for_accessor
 
 
 def param_status(param: torch.Tensor) -> ParamStatus:

@@ -52,7 +52,8 @@ from zero3.passes.grad_hooks import BackwardPass
 from zero3.passes.grad_reducer import GradientReducer
 from zero3.step.grad_shards import GradShards, made_on_demand
 from zero3.step.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
-from zero3.step.optimizer import ZeroOptimizer, steps_on_its_gradients
+from zero3.step.layout import steps_on_its_gradients
+from zero3.step.optimizer import ZeroOptimizer
 from zero3.step_protocol import Owed, StepProtocol
 
 log = logging.getLogger("zero3")

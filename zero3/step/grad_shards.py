@@ -193,6 +193,15 @@ class GradShards:
         return self._dtype == torch.float32 and device == step_device
 
     # ---- one parameter's shard ------------------------------------------------------
+    def in_place(self, device: torch.device) -> torch.Tensor:
+        """The reduced gradients a step runs on in place (`steps_in_place`): the flat buffer, or an empty
+        tensor where each shard is a tensor of its own (each sub-group then takes its pieces' views)."""
+        return self.buffer.tensor if self.buffer is not None else torch.empty(0, device=device)
+
+    def in_place_window(self, work: torch.Tensor, offset: int, numel: int) -> torch.Tensor | None:
+        """A sub-group's gradients to step in place: its window of `in_place`'s tensor, or None (own shards)."""
+        return work.narrow(0, offset, numel) if self.buffer is not None else None
+
     def held(self, sp: ShardedParam) -> bool:
         """Whether the shard has memory (always, in a flat buffer)."""
         return self.buffer is not None or self._chunk_of[sp] in self._own

@@ -1,54 +1,15 @@
 """The sharded optimizer: fp32 master shards, flat optimizer states, clipping, loss scaling.
 
-[Note: optimizer layout]
-Trainable parameters are laid out in optimizer-group order in flat buffers
-with one shared offset map: `hp_params` (fp32 master), `lp_grads` (the
-reduced gradients, in `grad_accum_dtype`: zero3.step.grad_shards, built by
-the engine and shared with the reducer), and one per elementwise state of the
-optimizer (Adam: `exp_avg`, `exp_avg_sq`; together the `optim_states`; see
-zero3.optim.spec). The fp32 buffers belong to a tier (zero3.offload's
-optimizer tier): on the device, in host memory (ZeRO-Offload) or in files
-(ZeRO-Infinity); `lp_grads` stays in memory in every tier (host memory with
-ZeRO-Offload). Each group's range is cut into sub-groups of
-`sub_group_size` elements (the last one shorter), splitting a
-parameter's shard where a cut falls in it: the update is elementwise, so a
-shard stepped in two pieces gets the same values as in one, and a disk
-tier's windows stay `sub_group_size` however large one parameter is (a
-50k-vocab embedding would otherwise size them all). A step walks the
-sub-groups: the tier hands each one's window to `_step_sub_group`, which
-makes the sub-group's fp32 gradients from `lp_grads` (they exist only while
-it steps), points torch's optimizer at the window (each piece's master a
-view, its states views, in the optimizer state) and steps it. So a
-parameter that got no gradient this step is skipped exactly as torch skips
-it. A piece's state is created by torch itself at its first step (as the
-class does it: SGD's momentum is the first gradient, Adagrad's sum starts at
-`initial_accumulator_value`) and then moved into the flat buffers
-(`_adopt`); from then on torch updates it in place there. The new 16-bit
-shards are written from each sub-group's masters once it has stepped (or,
-when they live on disk beside masters kept in memory, after the walk: see
-`step`).
-
-[Note: masters that are the shards]
-An fp32 engine whose shards and masters share one memory (neither tier
-offloaded: `masters_are_shards`) keeps one copy: each parameter's master
-slot is its shard slot in `lp_params`, there is no `hp_params` buffer, and a
-step updates the shards in place (nothing to write back). The optimizer
-order still names each parameter's place in `lp_grads`, the moments and the
-sub-groups (`order_offsets`); only the masters live in the shards' layout, so
-each piece's master is bound to a view of its shard. Checkpoints, the
-accessors and `offload_states` see the same masters through the slots; the
-`hp_params` state holds no bytes, and moving `lp_params` moves the masters.
+The layout it steps is zero3.step.layout's ([Note: optimizer layout]); torch's view of it,
+zero3.step.torch_state's.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero3.comm import Communicator
@@ -56,69 +17,29 @@ from zero3.offload.disk import StepIOError
 from zero3.offload.optimizer_tier import OptimizerStates
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.optim import spec as optimizer_spec
-from zero3.optim.muon import Matrix, MatrixExchange, MuonAdamW, direction
+from zero3.optim.muon import MatrixExchange, MuonAdamW
 from zero3.optim.spec import OptimizerSpec, StateLayout
 from zero3.partition.sharded_param import ShardedParam
+from zero3.step.deepspeed_names import DeepSpeedOptimizerNames
 from zero3.step.early_step import EarlySteps
-from zero3.step.layout import ScalarSnapshot, SubGroup
+from zero3.step.torch_state import TorchOptimizerState
+from zero3.step.layout import ScalarSnapshot, SubGroup, check_shard_is_master, lp_runs, split, steps_on_its_gradients
 from zero3.step.grad_shards import GradShards, Piece
+from zero3.step.masters import MASTERS, MasterSlots
+from zero3.step.replica_vote import ReplicaVote
+from zero3.step.muon_step import MuonDirections
 from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
 
 
-class ReplicaVote(Protocol):
-    """What the step asks of torchft's replicas (zero3.fault_tolerance.replica_step), where it runs with them."""
-
-    def average(self, tensor: torch.Tensor) -> None:
-        """The replica groups' average of `tensor`, in place."""
-        ...
-
-    def commit(self) -> bool:
-        """The quorum's vote on this step (a recovering group takes its peer's state in it)."""
-        ...
-
-    def abandon(self) -> None:
-        """The step raised on every rank of the group before its vote."""
-        ...
-
-
 NOT_APPLIED = " (the step was applied on no rank)"
-
-
-@dataclass
-class MasterSlots:
-    """One parameter's optimizer-side shards: its fp32 master and its elementwise states ("moments")."""
-
-    hp: Slot
-    moments: dict[str, Slot]
-    owner: "ZeroOptimizer"  # the optimizer that steps the parameter (zero3.accessors asks whether it has yet)
 
 
 def _nothing() -> None:
     pass
 
 
-# Each parameter's master slots, for the per-parameter accessors (zero3.safe_get_local_fp32_param, ...).
-_MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKeyDictionary()
-
-
-def settle_for_accessor(sp: ShardedParam) -> None:
-    """Before an accessor reads `sp`'s master or moments, or writes its gradient or master: the backward's
-    early steps are undone (zero3.step.early_step), so it sees no speculated value."""
-    slots = _MASTERS.get(sp)
-    if slots is not None:
-        slots.owner.before_state_change()  # (a write must not reach a save reading the state in place)
-        slots.owner.undo_early_steps("an accessor read or wrote the optimizer's state")
-
-
-def master_slots(sp: ShardedParam) -> MasterSlots | None:
-    """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
-    outside the step (the accessors): settled first (`settle_for_accessor`)."""
-    settle_for_accessor(sp)
-    return _MASTERS.get(sp)
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(DeepSpeedOptimizerNames):
     """Steps this rank's shards. `param_groups` are torch's, so schedulers work."""
 
     def __init__(
@@ -150,7 +71,7 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler
         self.params = [sp for sps, _ in groups for sp in sps]
         total = sum(sp.shard_numel for sp in self.params)
-        runs_by_group = [_split(sps, sub_group_size) for sps, _ in groups]
+        runs_by_group = [split(sps, sub_group_size) for sps, _ in groups]
         largest = max((sum(piece.numel for piece in run) for runs in runs_by_group for run in runs), default=0)
         # (total elements, the largest sub-group): the tier sizes its buffers or windows from them.
         self.spec = spec
@@ -175,7 +96,6 @@ class ZeroOptimizer:
         self.last_overflow: torch.Tensor | None = None  # whether the last step's gradients were not finite
 
         self.sub_groups: list[SubGroup] = []
-        self._masters_by_param: dict[ShardedParam, list[nn.Parameter]] = {}
         torch_groups: list[dict[str, Any]] = []
         # Each parameter's master and moments: this optimizer's own map (the parameter knows none of it).
         self.masters: dict[ShardedParam, MasterSlots] = {}
@@ -185,13 +105,13 @@ class ZeroOptimizer:
         for sp in self.params:
             assert sp.lp_slot is not None
             if masters_are_shards:
-                _check_shard_is_master(sp, self.step_device)
+                check_shard_is_master(sp, self.step_device)
             hp = (Slot(sp.lp_slot.buffer, sp.lp_slot.offset, sp.shard_numel) if self.hp_params is None
                   else Slot(self.hp_params, cursor, sp.shard_numel))
             slots = MasterSlots(hp, {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}, self)
             self.masters[sp] = slots
             self.order_offsets[sp] = cursor
-            _MASTERS[sp] = slots
+            MASTERS[sp] = slots
             if self.hp_params is not None:
                 slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
                 sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
@@ -202,8 +122,6 @@ class ZeroOptimizer:
             group_masters: list[nn.Parameter] = []
             for run in runs:
                 masters = [nn.Parameter(torch.empty(0, device=self.step_device)) for _ in run]
-                for piece, master in zip(run, masters):
-                    self._masters_by_param.setdefault(piece.sp, []).append(master)
                 numel = sum(piece.numel for piece in run)
                 sub = SubGroup(self.order_offsets[run[0].sp] + run[0].start, numel, run, masters, group_index,
                                bool(options.get("use_muon")))
@@ -214,20 +132,20 @@ class ZeroOptimizer:
         # Torch's fused kernel where the class has one, on the host too (benchmarks/host_adam.py compares
         # it with foreach and DeepSpeedCPUAdam).
         self.optimizer, self.fused = optimizer_spec.build(spec, torch_groups)
-        # Pieces whose state torch has not created yet (see the Note); adopted after their first step.
-        self._fresh: set[nn.Parameter] = {master for sub in self.sub_groups for master in sub.masters}
+        # Torch's masters and their state, bound to the buffers (zero3.step.torch_state).
+        self.torch_state = TorchOptimizerState(self.optimizer, self.sub_groups, self.state_names, self.scalar_names,
+                                               self.step_device, self._shard_master if masters_are_shards else None)
         if state_layout.eager:
             # Made in the constructor, over the empty placeholders: filled here as the class fills them.
             for name, fill in state_layout.eager.items():
                 self.moments[name].fill(fill)
-            self._fresh.clear()
+            self.torch_state.fresh.clear()
         # Steps skipped on the device (a non-finite gradient under a static loss scale), read only when asked.
         self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         # With fault_tolerance: the replicas' average and the step's commit vote go through torchft
         # (zero3.fault_tolerance.replicas' Note); `dropped` says the last step's vote was no.
         self.replica_step: ReplicaVote | None = None
         self.dropped = False
-        self._views_bound = False  # the masters and moments view the buffers (see [Note: master views])
         # Called before anything here changes the masters, moments or 16-bit shards: an async save may be
         # reading them in place (zero3.checkpoint.shared_state); the engine sets it.
         self.before_state_change: Callable[[], None] = _nothing
@@ -236,9 +154,13 @@ class ZeroOptimizer:
         # Lends idle scratch memory of at least n bytes on a device, or None (the engine's reduce
         # bucket, idle during the step).
         self.borrow_scratch = borrow_scratch
-        self.exchange: MatrixExchange | None = None
+        # Muon's directions and their exchange across the shard group (zero3.step.muon_step), where it steps.
+        self.muon: MuonDirections | None = None
         if spec.muon is not None:
-            self._set_up_muon(groups, matrix_bucket_numel)
+            assert isinstance(self.optimizer, MuonAdamW)
+            self.muon = MuonDirections(self.optimizer, groups, self.sub_groups, self.order_offsets, spec.muon,
+                                       self.step_device, self.comm, matrix_bucket_numel)
+        self.exchange: MatrixExchange | None = self.muon.exchange if self.muon is not None else None
         self._lp_on_disk = False
         self.link_lp()
         self.grads_in_place = steps_on_its_gradients(grads, self.step_device, self.states.transactional,
@@ -267,68 +189,13 @@ class ZeroOptimizer:
         lean parameter: zero3.partition.lean's Note; a gather casts its master)."""
         if self.hp_params is not None:  # else the step writes no shards: they are the masters
             for sub in self.sub_groups:
-                sub.lp_runs = _lp_runs(sub)
+                sub.lp_runs = lp_runs(sub)
         self._lp_on_disk = any(sp.lp_slot is not None and sp.lp_slot.buffer.store is not None for sp in self.params)
 
-    def _set_up_muon(self, groups: list[tuple[list[ShardedParam], dict[str, Any]]], bucket_numel: int) -> None:
-        """The matrices' directions buffer, their exchange, and what MuonAdamW reads per piece."""
-        assert isinstance(self.optimizer, MuonAdamW) and self.spec.muon is not None
-        matrices = [sp for sps, options in groups if options.get("use_muon") for sp in sps]
-        # split_groups puts the Muon groups first, so their masters are [0, total) of the flat buffers.
-        total = sum(sp.shard_numel for sp in matrices)
-        assert all(self.order_offsets[sp] < total for sp in matrices)
-        self.muon_directions = torch.zeros(total, dtype=torch.float32, device=self.step_device)
-        for sub in self.sub_groups:
-            if sub.muon:
-                for piece, master in zip(sub.pieces, sub.masters):
-                    start = self.order_offsets[piece.sp] + piece.start
-                    self.optimizer.updates[master] = self.muon_directions[start : start + piece.numel]
-                    self.optimizer.shapes[master] = piece.sp.shape
-        if not matrices:
-            return
-        mesh = matrices[0].mesh
-        group = mesh.shard_group
-        if self.step_device.type == "cpu" and dist.get_backend(group) != "gloo" and self.comm.topology is not None:
-            group = self.comm.topology.host_shard_group  # host tensors (ZeRO-Offload beside a GPU) travel on gloo
-        self.exchange = MatrixExchange(
-            [Matrix(sp, sp.shape, sp.numel, sp.shard_numel, self.order_offsets[sp]) for sp in matrices],
-            mesh.shard_rank, mesh.shard_size, group, bucket_numel, self.spec.muon,
-        )
-
-    def _orthogonalize_matrices(self, coefficient: torch.Tensor | None, idle: set[int], work: torch.Tensor) -> None:
-        """Phases 1 and 2 of zero3.optim.muon's Note: this rank's shards of every stepped matrix's
-        direction (the state only read), then the exchange that orthogonalizes them. A failure in the
-        first phase still joins the exchange (its collectives pair with the other ranks'), then raises."""
-        assert self.exchange is not None
-        arrived = self.grads.arrived
-        skip = {index for index, sub in enumerate(self.sub_groups) if not sub.muon} | idle
-
-        def visit(index: int, window: dict[str, torch.Tensor]) -> None:
-            sub = self.sub_groups[index]
-            group = self.optimizer.param_groups[sub.group_index]
-            grad = work[: sub.numel]
-            self._fill_grad(sub, grad)
-            if coefficient is not None:
-                grad.mul_(coefficient)
-            cursor = 0
-            for piece, master in zip(sub.pieces, sub.masters):
-                if arrived[piece.sp]:
-                    piece_grad = grad[cursor : cursor + piece.numel]
-                    # A piece torch has not stepped yet starts from a zero buffer (whatever the flat buffer holds).
-                    buffer = (torch.zeros_like(piece_grad) if master in self._fresh
-                              else window["exp_avg"][cursor : cursor + piece.numel])
-                    self.muon_directions[sub.offset + cursor : sub.offset + cursor + piece.numel].copy_(
-                        direction(piece_grad, buffer, group["momentum"], group["nesterov"]))
-                cursor += piece.numel
-
-        failure: Exception | None = None
-        try:
-            self.states.walk([(sub.offset, sub.numel) for sub in self.sub_groups], visit, skip, readonly=True)
-        except Exception as error:  # noqa: BLE001 - raised below, once the exchange is done
-            failure = error
-        self.exchange.orthogonalize(self.muon_directions, {m.key for m in self.exchange.matrices if arrived[m.key]})
-        if failure is not None:
-            raise failure
+    def _shard_master(self, piece: Piece) -> torch.Tensor:
+        """A piece's master where the masters are the shards: a view of its shard slot."""
+        hp = self.masters[piece.sp].hp
+        return hp.buffer.view(hp.offset + piece.start, piece.numel)
 
     @property
     def masters_are_shards(self) -> bool:
@@ -340,63 +207,16 @@ class ZeroOptimizer:
         """Where the step runs, as the optimizer-state tier declares it (the host for a disk tier)."""
         return self.states.step_device
 
-    # [Note: master views]
-    # Torch's optimizer holds tensors, not slots: each master is a view of
-    # the sub-group's window of `hp_params` (or of its shard, where the
-    # masters are the shards) and its moments are views of the moment
-    # windows. Those views would pin the old storage when a state is
-    # offloaded, so `unbind_views` drops them (the offload tier calls it
-    # before moving `hp_params` or `optim_states`, or `lp_params` where it
-    # holds the masters, and a disk tier's walk
-    # after every step: its windows are reused) and each step binds them
-    # again from the windows it is handed.
     @property
     def views_bound(self) -> bool:
-        """Whether the masters and moments view the buffers now (see the Note)."""
-        return self._views_bound
+        """Whether the masters and moments view the buffers now (zero3.step.torch_state's [Note: master views])."""
+        return self.torch_state.views_bound
 
     def bind_views(self) -> None:
-        for sub in self.sub_groups:
-            self._bind(sub, {name: buffer.view(sub.offset, sub.numel) for name, buffer in self.states.buffers.items()})
-        self._views_bound = True
-
-    def _bind(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
-        cursor = 0
-        for piece, master in zip(sub.pieces, sub.masters):
-            if self.hp_params is None:  # the master slot is the shard's (see [Note: masters that are the shards])
-                hp = self.masters[piece.sp].hp
-                master.data = hp.buffer.view(hp.offset + piece.start, piece.numel)
-            else:
-                master.data = window["hp_params"][cursor : cursor + piece.numel]
-            state = self.optimizer.state[master]
-            for name in self.state_names:
-                if name in state:
-                    state[name] = window[name][cursor : cursor + piece.numel]
-            cursor += piece.numel
-
-    def _adopt(self, sub: SubGroup, window: dict[str, torch.Tensor]) -> None:
-        """Move the state torch created at a piece's first step into the flat buffers (see the Note)."""
-        cursor = 0
-        for piece, master in zip(sub.pieces, sub.masters):
-            state = self.optimizer.state[master]
-            if master in self._fresh and state:
-                for name in self.state_names:
-                    if name in state:
-                        view = window[name][cursor : cursor + piece.numel]
-                        view.copy_(state[name])
-                        state[name] = view
-                self._fresh.discard(master)
-            cursor += piece.numel
+        self.torch_state.bind_views(self.states.buffers)
 
     def unbind_views(self) -> None:
-        self._views_bound = False
-        for sub in self.sub_groups:
-            for master in sub.masters:
-                master.data = torch.empty(0, device=self.step_device)
-                state = self.optimizer.state[master]
-                for name in self.state_names:
-                    if name in state:
-                        state[name] = torch.empty(0, device=self.step_device)
+        self.torch_state.unbind_views()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -475,7 +295,7 @@ class ZeroOptimizer:
             self.repair_lp()
             # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
             # out-of-memory here is a step no rank applies.
-            work = self._in_place_grads() if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
+            work = self.grads.in_place(self.step_device) if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             failure = failure or error
         scale = self.loss_scaler.loss_scale
@@ -566,7 +386,9 @@ class ZeroOptimizer:
         stepped_early = early.keep_or_undo(why_not) if early is not None else set()
         if self.exchange is not None:
             try:
-                self._orthogonalize_matrices(coefficient, idle, work)
+                assert self.muon is not None
+                self.muon.orthogonalize(self.states, self.grads.arrived, self.torch_state.fresh, self._fill_grad,
+                                        coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
             self.protocol.settle("step", failure, NOT_APPLIED, undo=put_back)
@@ -582,7 +404,7 @@ class ZeroOptimizer:
 
         def visit(index: int, window: dict[str, torch.Tensor]) -> None:
             sub = self.sub_groups[index]
-            grad = self._in_place_window(work, sub) if self.grads_in_place else work[: sub.numel]
+            grad = self.grads.in_place_window(work, sub.offset, sub.numel) if self.grads_in_place else work[: sub.numel]
             self.step_sub_group(sub, window, coefficient, found_inf, grad, fill_grad=not self.grads_in_place)
             if during and self.hp_params is not None:
                 self._write_lp(sub, window["hp_params"])
@@ -662,17 +484,6 @@ class ZeroOptimizer:
         """The sub-group's reduced gradients into `grad` (its dtype: the step's fp32)."""
         self.grads.copy_range(sub.offset, sub.pieces, grad)
 
-    def _in_place_grads(self) -> torch.Tensor:
-        """The reduced gradients the step runs on in place (`grads_in_place`): the flat buffer, or an empty
-        tensor where each shard is a tensor of its own (each sub-group then takes its pieces' views)."""
-        if self.grads.buffer is None:
-            return torch.empty(0, device=self.step_device)
-        return self.grads.buffer.tensor
-
-    def _in_place_window(self, work: torch.Tensor, sub: SubGroup) -> torch.Tensor | None:
-        """A sub-group's gradients to step in place: its window of the flat buffer, or None (own shards)."""
-        return work.narrow(0, sub.offset, sub.numel) if self.grads.buffer is not None else None
-
     def step_sub_group(
         self, sub: SubGroup, window: dict[str, torch.Tensor], coefficient: torch.Tensor | None,
         found_inf: torch.Tensor | None, grad: torch.Tensor | None, fill_grad: bool,
@@ -697,8 +508,8 @@ class ZeroOptimizer:
             if coefficient is not None:
                 grad.mul_(coefficient)
             piece_grads = list(grad.split(sub.piece_numels))
-        if not self._views_bound:
-            self._bind(sub, window)
+        if not self.torch_state.views_bound:
+            self.torch_state.bind(sub, window)
         for piece, master, piece_grad in zip(sub.pieces, sub.masters, piece_grads):
             master.grad = piece_grad if arrived[piece.sp] else None
         if self.fused:
@@ -708,108 +519,32 @@ class ZeroOptimizer:
         finally:
             for master in sub.masters:  # (torch steps every parameter with a .grad: none may stay set)
                 master.grad = None
-        if self._fresh:
-            self._adopt(sub, window)
+        if self.torch_state.fresh:
+            self.torch_state.adopt(sub, window)
 
     # ---- per-parameter state (checkpoints) -------------------------------------------
     def has_state(self, sp: ShardedParam) -> bool:
-        """Whether torch has created this parameter's optimizer state (it has been stepped)."""
-        return bool(self.optimizer.state[self._masters_by_param[sp][0]])
+        return self.torch_state.has_state(sp)
 
     def scalar_state(self, sp: ShardedParam) -> dict[str, torch.Tensor]:
-        """The parameter's scalar state (Adam: its step count), as tensors; every piece holds the same."""
-        state = self.optimizer.state[self._masters_by_param[sp][0]]
-        return {name: torch.as_tensor(state[name]).detach().clone() for name in self.scalar_names if name in state}
+        return self.torch_state.scalar_state(sp)
 
     def set_states(self, scalars_by_param: Mapping[ShardedParam, dict[str, torch.Tensor] | None]) -> None:
-        """Mark each parameter stepped with its scalars (its elementwise states were written into the
-        buffers), or, with None, never stepped (torch creates its state at its next step); the views are
-        bound once for all (a load sets every parameter)."""
+        """zero3.step.torch_state's `set_states`, once nothing may be reading the state in place."""
         self.before_state_change()
-        for sp, scalars in scalars_by_param.items():
-            for master in self._masters_by_param[sp]:
-                state = self.optimizer.state[master]
-                state.clear()
-                if scalars is None:
-                    self._fresh.add(master)
-                    continue
-                self._fresh.discard(master)
-                for name, value in scalars.items():
-                    state[name] = value.to(device=self.step_device).clone()
-                for name in self.state_names:
-                    state[name] = torch.empty(0, device=self.step_device)  # bound to the buffers below
-        if self._views_bound:
-            self.bind_views()
+        self.torch_state.set_states(scalars_by_param, self.states.buffers)
 
     def read_client_state(self, client: torch.optim.Optimizer) -> None:
-        """Take over the state a client optimizer already has for its parameters: this rank's shard of
-        each elementwise state, and the scalars."""
+        """Take over the state a client optimizer already has for its parameters (zero3.step.torch_state)."""
         self.before_state_change()
-        stepped: dict[ShardedParam, dict[str, torch.Tensor] | None] = {}
-        for sp in self.params:
-            state = client.state.get(sp.param)
-            if not state:
-                continue
-            missing = [name for name in self.state_names if not isinstance(state.get(name), torch.Tensor)]
-            if missing:
-                raise ValueError(
-                    f"the client optimizer's state for {sp.name} lacks {missing} (it has {sorted(state)})"
-                )
-            slots = self.masters[sp]
-            for name in self.state_names:
-                full = state[name].detach()
-                if full.numel() != sp.numel:
-                    raise ValueError(
-                        f"the client optimizer's {name!r} for {sp.name} has {full.numel()} elements, "
-                        f"the parameter {sp.numel}"
-                    )
-                slots.moments[name].write(sp.shard_of(full.to(dtype=torch.float32, device="cpu")))
-            stepped[sp] = {name: torch.as_tensor(state[name]) for name in self.scalar_names if name in state}
-        self.set_states(stepped)
+        stepped = self.torch_state.take_client_state(client, self.params, self.masters)
+        self.torch_state.set_states(stepped, self.states.buffers)
 
     def scalar_snapshot(self) -> ScalarSnapshot:
-        """Every piece's scalar state (and whether it has any) before a step, to put back if the step fails
-        on some rank (a transactional tier's) or its early part is undone (zero3.step.early_step). The
-        0-dim tensors of one name (Adam's step counts) are copied in one `stack`, not one clone per piece:
-        this runs at every such step."""
-        fresh: list[nn.Parameter] = []
-        tensors: dict[str, tuple[list[nn.Parameter], list[torch.Tensor]]] = {name: ([], []) for name in self.scalar_names}
-        loose: list[tuple[nn.Parameter, str, Any]] = []
-        for sub in self.sub_groups:
-            for master in sub.masters:
-                if master in self._fresh:
-                    fresh.append(master)
-                    continue
-                state = self.optimizer.state[master]
-                for name in self.scalar_names:
-                    if name not in state:
-                        continue
-                    value = state[name]
-                    if isinstance(value, torch.Tensor) and value.dim() == 0:
-                        tensors[name][0].append(master)
-                        tensors[name][1].append(value)
-                    else:
-                        loose.append((master, name, value.clone() if isinstance(value, torch.Tensor) else value))
-        stacked: dict[str, tuple[list[nn.Parameter], torch.Tensor]] = {}
-        for name, (masters, values) in tensors.items():
-            if not values:
-                continue
-            if len({(value.device, value.dtype) for value in values}) == 1:
-                stacked[name] = (masters, torch.stack(values))
-            else:
-                loose.extend((master, name, value.clone()) for master, value in zip(masters, values))
-        return ScalarSnapshot(fresh, stacked, loose)
+        return self.torch_state.snapshot()
 
     def restore_scalars(self, snapshot: ScalarSnapshot) -> None:
-        """After a failed walk: every piece's scalars (and whether it had state) as before the step."""
-        for master in snapshot.fresh:
-            self.optimizer.state[master].clear()
-            self._fresh.add(master)
-        for name, (masters, values) in snapshot.stacked.items():
-            for master, value in zip(masters, values.unbind()):
-                self.optimizer.state[master][name] = value.clone()  # its own storage, as torch made it
-        for master, name, value in snapshot.loose:
-            self.optimizer.state[master][name] = value
+        self.torch_state.restore(snapshot)
 
     def _fp32_grads(self, numel: int, device: torch.device) -> torch.Tensor:
         borrowed = self.borrow_scratch(numel * 4, device) if self.borrow_scratch is not None else None
@@ -835,30 +570,6 @@ class ZeroOptimizer:
             self._write_lp(sub, self.hp_params.read_range(sub.offset, sub.numel))
         self.lp_stale = False
 
-    # ---- DeepSpeed's names, for code written against its stage-3 optimizer ----------------------
-    @property
-    def grad_partitions_flat_buffer(self) -> torch.Tensor:
-        """This rank's gradient shards as one flat tensor, DeepSpeed's `grad_partitions_flat_buffer`: the live
-        buffer where they have one; where they are made on demand, a copy of those held, zeros elsewhere
-        (between steps: all zeros, as they hold no memory then)."""
-        return self.grads.flat()
-
-    @property
-    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
-        """DeepSpeed's `averaged_gradients`: from a backward to the step, each sub-group's gradient shards (this
-        rank's, reduced across the ranks), one per piece of a parameter it steps, in lp_grads' dtype; empty
-        where no gradient has arrived since the last step. Views where the shards are held; zeros otherwise."""
-        if not self.grads.any_arrived():
-            return {}
-        return {index: [self.grads.read(piece.sp)[piece.start : piece.start + piece.numel] for piece in sub.pieces]
-                for index, sub in enumerate(self.sub_groups)}
-
-    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
-        """DeepSpeed's `get_fp32_grad_partitions()`: `averaged_gradients` as {sub-group: {piece: its fp32 values}}
-        (the same tensors where lp_grads is fp32)."""
-        return {index: {i: grad.float() for i, grad in enumerate(grads)}
-                for index, grads in self.averaged_gradients.items()}
-
     def close(self) -> None:
         """Free the tier's buffers and forget the parameters (the engine is being destroyed)."""
         if self.early is not None:
@@ -870,8 +581,8 @@ class ZeroOptimizer:
         self.sub_groups.clear()
         self.params.clear()
         for sp, slots in self.masters.items():
-            if _MASTERS.get(sp) is slots:
-                del _MASTERS[sp]
+            if MASTERS.get(sp) is slots:
+                del MASTERS[sp]
             if slots.hp in sp.followers:
                 sp.followers.remove(slots.hp)
             if sp.master_keeper is self:
@@ -884,61 +595,3 @@ class ZeroOptimizer:
             "lp_grads": self.grads.nbytes,
             "optim_states": sum(buf.nbytes for buf in self.moments.values()),
         }
-
-
-def steps_on_its_gradients(grads: GradShards, step_device: torch.device, transactional: bool, muon: bool) -> bool:
-    """Whether the step runs on views of the reduced gradients `grads`, scaled in place (zero_grad clears them
-    after the step), instead of on an fp32 copy of each sub-group's: where they are fp32 in one flat buffer on
-    the step's device. Not where a failed step can be retried (a transactional tier keeps the gradients for
-    it) or Muon's exchange reads them."""
-    return grads.steps_in_place(step_device) and not transactional and not muon
-
-
-def _check_shard_is_master(sp: ShardedParam, step_device: torch.device) -> None:
-    """A shard that is to serve as its fp32 master must be one in memory where the step runs."""
-    buffer = sp.lp_slot.buffer  # type: ignore[union-attr]
-    if buffer.dtype != torch.float32 or buffer.store is not None or buffer.device != step_device:
-        raise ValueError(
-            f"the fp32 masters cannot be the shards: {sp.name}'s shard is {buffer.dtype} in {buffer.home} "
-            f"memory, the step runs in fp32 on {step_device}"
-        )
-
-
-def _lp_runs(sub: SubGroup) -> list[tuple[FlatBuffer, int, int, int]]:
-    """(shard buffer, offset in it, offset in the sub-group, elements) for each run of the sub-group's
-    pieces that are contiguous in one 16-bit shard buffer (shard slots never move); a lean piece has none."""
-    merged: list[tuple[FlatBuffer, int, int, int]] = []
-    cursor = 0
-    for piece in sub.pieces:
-        lp = piece.sp.lp_slot
-        if lp is None:
-            cursor += piece.numel
-            continue
-        start = lp.offset + piece.start
-        if merged and merged[-1][0] is lp.buffer and merged[-1][1] + merged[-1][3] == start:
-            buffer, offset, first, numel = merged[-1]
-            merged[-1] = (buffer, offset, first, numel + piece.numel)
-        else:
-            merged.append((lp.buffer, start, cursor, piece.numel))
-        cursor += piece.numel
-    return merged
-
-
-def _split(sps: list[ShardedParam], limit: int) -> list[list[Piece]]:
-    """Cut the shards' concatenation into runs of `limit` elements (the last shorter); see the Note."""
-    runs: list[list[Piece]] = []
-    current: list[Piece] = []
-    room = limit
-    for sp in sps:
-        start = 0
-        while start < sp.shard_numel:
-            take = min(room, sp.shard_numel - start)
-            current.append(Piece(sp, start, take))
-            start += take
-            room -= take
-            if room == 0:
-                runs.append(current)
-                current, room = [], limit
-    if current:
-        runs.append(current)
-    return runs

@@ -1,0 +1,39 @@
+"""DeepSpeed's names on its stage-3 optimizer that zero3's optimizer answers from its own state, for code written
+against DeepSpeed (`engine.optimizer.averaged_gradients`, ...)."""
+
+from __future__ import annotations
+
+import torch
+
+from zero3.step.grad_shards import GradShards
+from zero3.step.layout import SubGroup
+
+
+class DeepSpeedOptimizerNames:
+    """The gradient shards between a backward and the step, under DeepSpeed's names."""
+
+    grads: GradShards
+    sub_groups: list[SubGroup]
+
+    @property
+    def grad_partitions_flat_buffer(self) -> torch.Tensor:
+        """This rank's gradient shards as one flat tensor, DeepSpeed's `grad_partitions_flat_buffer`: the live
+        buffer where they have one; where they are made on demand, a copy of those held, zeros elsewhere
+        (between steps: all zeros, as they hold no memory then)."""
+        return self.grads.flat()
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """DeepSpeed's `averaged_gradients`: from a backward to the step, each sub-group's gradient shards (this
+        rank's, reduced across the ranks), one per piece of a parameter it steps, in lp_grads' dtype; empty
+        where no gradient has arrived since the last step. Views where the shards are held; zeros otherwise."""
+        if not self.grads.any_arrived():
+            return {}
+        return {index: [self.grads.read(piece.sp)[piece.start : piece.start + piece.numel] for piece in sub.pieces]
+                for index, sub in enumerate(self.sub_groups)}
+
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """DeepSpeed's `get_fp32_grad_partitions()`: `averaged_gradients` as {sub-group: {piece: its fp32 values}}
+        (the same tensors where lp_grads is fp32)."""
+        return {index: {i: grad.float() for i, grad in enumerate(grads)}
+                for index, grads in self.averaged_gradients.items()}
