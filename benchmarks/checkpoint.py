@@ -109,7 +109,7 @@ def batch(cfg: GPTConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def stepped_engine(cfg: GPTConfig, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
     """zero3's engine of `cfg` after one AdamW step (seed 0), and this rank's checkpointed state as plain
     tensors: the masters (the fp32 shards themselves where there is no hp_params buffer:
-    zero3.step.optimizer's [Note: masters that are the shards]) and both moments, the same bytes."""
+    zero3.step.layout's [Note: masters that are the shards]) and both moments, the same bytes."""
     import zero3
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},

@@ -73,7 +73,7 @@ class MasterCast:
 
 def masters_are_shards(compute_dtype: torch.dtype, offload_optimizer: str, offload_param: str) -> bool:
     """Whether an engine's fp32 masters are its parameter shards themselves: an fp32 engine with both
-    in the same memory (neither tier offloaded) keeps one copy, not two (see zero3.step.optimizer's
+    in the same memory (neither tier offloaded) keeps one copy, not two (see zero3.step.layout's
     [Note: masters that are the shards])."""
     return compute_dtype == torch.float32 and offload_optimizer == "none" and offload_param == "none"
 

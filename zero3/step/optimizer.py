@@ -199,7 +199,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
 
     @property
     def masters_are_shards(self) -> bool:
-        """Whether each master is its parameter's shard (see [Note: masters that are the shards])."""
+        """Whether each master is its parameter's shard (zero3.step.layout's [Note: masters that are the shards])."""
         return self.hp_params is None
 
     @property
