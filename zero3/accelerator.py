@@ -232,6 +232,18 @@ class DroppableZeros:
             self.tensor.zero_()
 
 
+UNTOUCHED_FROM_BYTES = 1 << 20  # smaller host zeros are written: a mapping of their own is not worth it
+
+
+def untouched_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor whose pages nothing has touched yet (a mapping of its own, see `DroppableZeros`):
+    no time spent writing zeros, and no resident memory until something writes it. Small ones, and where
+    that is not Linux's semantics, are plain `torch.zeros`."""
+    if numel * dtype.itemsize < UNTOUCHED_FROM_BYTES:
+        return torch.zeros(numel, dtype=dtype)
+    return DroppableZeros(numel, dtype).tensor
+
+
 def host_heap_bytes() -> dict[str, int] | None:
     """What glibc's allocator holds, over all its arenas (None where it is not glibc 2.33+): `in_use`
     handed out from the heap, `free` freed but kept in it (mostly still resident), `mmapped` in blocks

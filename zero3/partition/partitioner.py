@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zero3.accelerator import untouched_zeros
 from zero3.comm import Communicator
 from zero3.config import ZeroConfig
 from zero3.partition import ds_attributes, param_dict
@@ -100,14 +101,17 @@ class Partitioner:
         for sp in sps:
             ds_attributes.wear(sp)
         unit = GatherUnit(sps, self.gather, label or type(module).__name__)
-        # Every element is written below (each shard, its padding too): no fill first.
-        unit.assign_lp(FlatBuffer(f"lp:{unit.label}", torch.empty(unit.shard_numel, dtype=self.dtype,
-                                                                  device=self.device)), 0)
+        # Values to come (a load writes them) are, in host memory, zeros no one has written; else every
+        # element is written below (each shard, its padding too), with no fill first.
+        untouched = all(full is None for full in values) and self.device.type == "cpu"
+        storage = untouched_zeros(unit.shard_numel, self.dtype) if untouched else \
+            torch.empty(unit.shard_numel, dtype=self.dtype, device=self.device)
+        unit.assign_lp(FlatBuffer(f"lp:{unit.label}", storage), 0)
         for sp, full in zip(sps, values):
-            if full is None:
-                sp.lp_shard().zero_()
-            else:
+            if full is not None:
                 sp.copy_shard_of(full, sp.lp_shard())
+            elif not untouched:
+                sp.lp_shard().zero_()
             # The fp32 master starts from the exact init; an fp32 shard already is it (no second copy).
             if self.dtype != torch.float32:
                 sp.hp_seed = sp.shard_of(full) if full is not None else torch.zeros(sp.shard_numel, device=self.device)
