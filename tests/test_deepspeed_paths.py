@@ -308,3 +308,29 @@ def test_load_state_dict_from_zero_checkpoint_fills_a_plain_model_and_refuses_a_
     for result in results:
         assert "are partitioned" in result["refusal"] and "GatheredParameters" in result["refusal"]
         assert result["inside"]
+
+
+def averaged_by_group(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Net(False)
+    decay = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    rest = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+    config = CONFIG | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                       "zero_optimization": CONFIG["zero_optimization"] | {"sub_group_size": 64}}
+    engine, optimizer, *_ = zero3.initialize(model=model, config=config,
+                                             model_parameters=[{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+    engine.backward(engine(torch.randn(2, 16), torch.randint(0, 4, (2,))))
+    averaged = optimizer.averaged_gradients
+    out = {"keys": sorted(averaged), "lengths": [len(averaged[k]) for k in sorted(averaged)],
+           "sizes": [len(decay), len(rest)], "sub_groups": len(optimizer.sub_groups),
+           "equal": all(torch.equal(g, zero3.safe_get_local_grad(p).reshape(-1)[: g.numel()])
+                        for g, p in zip(averaged[0] + averaged[1], decay + rest))}
+    engine.destroy()
+    return out
+
+
+def test_averaged_gradients_are_keyed_by_parameter_group_as_deepspeeds_sub_groups_are() -> None:
+    """However finely zero3 cuts its own sub-groups (a small sub_group_size here)."""
+    for out in run_ranks(2, averaged_by_group):
+        assert out["sub_groups"] > 2
+        assert out["keys"] == [0, 1] and out["lengths"] == out["sizes"] and out["equal"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zero3.partition.sharded_param import ShardedParam
 from zero3.step.grad_shards import GradShards
 from zero3.step.layout import SubGroup
 
@@ -24,16 +25,21 @@ class DeepSpeedOptimizerNames:
 
     @property
     def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
-        """DeepSpeed's `averaged_gradients`: from a backward to the step, each sub-group's gradient shards (this
-        rank's, reduced across the ranks), one per piece of a parameter it steps, in lp_grads' dtype; empty
-        where no gradient has arrived since the last step. Views where the shards are held; zeros otherwise."""
+        """DeepSpeed's `averaged_gradients`: from a backward to the step, each parameter group's gradient shards
+        (this rank's, reduced across the ranks), one per parameter in the group's order, in lp_grads' dtype;
+        empty where no gradient has arrived since the last step. DeepSpeed keys them by its sub-groups, which
+        are the parameter groups at its default `sub_group_size` (zero3's own sub-groups, cut for the step's
+        working memory, are an inside matter). Views where the shards are held; zeros otherwise."""
         if not self.grads.any_arrived():
             return {}
-        return {index: [self.grads.read(piece.sp)[piece.start : piece.start + piece.numel] for piece in sub.pieces]
-                for index, sub in enumerate(self.sub_groups)}
+        by_group: dict[int, dict[ShardedParam, None]] = {}
+        for sub in self.sub_groups:
+            for piece in sub.pieces:
+                by_group.setdefault(sub.group_index, {})[piece.sp] = None
+        return {index: [self.grads.read(sp) for sp in sps] for index, sps in by_group.items()}
 
     def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
-        """DeepSpeed's `get_fp32_grad_partitions()`: `averaged_gradients` as {sub-group: {piece: its fp32 values}}
-        (the same tensors where lp_grads is fp32)."""
+        """DeepSpeed's `get_fp32_grad_partitions()`: `averaged_gradients` as {group: {parameter: its fp32
+        values}} (the same tensors where lp_grads is fp32)."""
         return {index: {i: grad.float() for i, grad in enumerate(grads)}
                 for index, grads in self.averaged_gradients.items()}
