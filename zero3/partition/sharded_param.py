@@ -1,17 +1,16 @@
-"""One partitioned parameter: its geometry, its 16-bit slot, its released placeholder.
+"""One partitioned parameter: its geometry, its 16-bit slot, its released placeholder, and what it belongs to
+(its gather unit, its optimizer-side slots, its gradient shards), as FSDP2's `FSDPParam` owns its own.
 
 The `nn.Parameter` object itself is kept (optimizers, tied weights and user
 references stay valid); only its `.data` changes: a view into its unit's
 gathered buffer while AVAILABLE, a zero-element placeholder otherwise. The one
-attribute added to the parameter is `_zero3`, pointing here. The parameter does
-not know its gather unit: the unit knows its parameters (`unit_of` in
-zero3.partition.unit answers the other way).
+attribute added to the parameter is `_zero3`, pointing here.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -47,6 +46,14 @@ class ShardedParam:
         self.ds_id = -1  # DeepSpeed's parameter id (zero3.partition.ds_attributes gives one)
         self.leaf = False  # gathered with a leaf module's unit (zero3.partition.leaf_modules)
         self.lp_slot: Slot | None = None
+        # What the parameter belongs to, each set by its owner and cleared when the owner closes: the gather
+        # unit that gathers it (zero3.partition.unit's `unit_of`), its optimizer-side slots (master and
+        # moments: zero3.step.masters' MasterSlots) and the gradient shards that hold its gradient
+        # (zero3.step.grad_shards' GradShards). The last two are the step's types, held here untyped so that
+        # this room does not reach up to the step's.
+        self.unit: Any = None
+        self.master_slots: Any = None
+        self.grad_owner: Any = None
         # Lean memory mode (zero3.partition.lean): no 16-bit slot; the 16-bit shard is this fp32 master, cast.
         self.lean_master: Slot | None = None
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32

@@ -13,7 +13,6 @@ A unit changes state only through its methods (`start_unshard`, `wait`,
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -76,13 +75,9 @@ class SecondaryRoute(Protocol):
     def start_stand_in(self, unit: "GatherUnit", reserve: torch.Tensor) -> PendingGather: ...
 
 
-# Each partitioned parameter's unit: the unit registers its parameters; a parameter keeps no pointer back.
-_UNIT_OF: weakref.WeakKeyDictionary[ShardedParam, "GatherUnit"] = weakref.WeakKeyDictionary()
-
-
 def unit_of(sp: ShardedParam) -> "GatherUnit | None":
-    """The unit that gathers `sp` (None once its engine was destroyed)."""
-    return _UNIT_OF.get(sp)
+    """The unit that gathers `sp` (None once its engine was destroyed): the parameter's own `unit`."""
+    return sp.unit
 
 
 class UnitDriver(Protocol):
@@ -137,7 +132,7 @@ class GatherUnit:
         # `gather`), which only a pass's computation may read; a reader that keeps values asks for exact.
         self.exact_values = True
         for sp in params:
-            _UNIT_OF[sp] = self  # the latest unit built over a parameter is its unit
+            sp.unit = self  # the latest unit built over a parameter is its unit
 
     # ---- placement -------------------------------------------------------
     def assign_lp(self, buffer: FlatBuffer, offset: int, source: ShardSource | None = None) -> None:
@@ -353,8 +348,8 @@ class GatherUnit:
             self._set_holds(hold, 0)
         self.reshard()
         for sp in self.params:
-            if _UNIT_OF.get(sp) is self:
-                del _UNIT_OF[sp]
+            if sp.unit is self:
+                sp.unit = None
 
     def write_back(self, params: "set[ShardedParam] | None" = None) -> None:
         """Store the current full values (edited in place by the user) into the shards.

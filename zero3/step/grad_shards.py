@@ -58,7 +58,6 @@ small model feels.
 from __future__ import annotations
 
 import bisect
-import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 
@@ -68,8 +67,6 @@ from zero3.accelerator import DroppableZeros
 from zero3.partition.flat_buffer import FlatBuffer, Slot
 from zero3.partition.sharded_param import ShardedParam
 
-# Each parameter's gradient shards, for the per-parameter accessors (zero3.safe_get_local_grad).
-_OWNER: weakref.WeakKeyDictionary[ShardedParam, "GradShards"] = weakref.WeakKeyDictionary()
 
 DROP_PAGES_FROM_BYTES = 64 << 20  # a host buffer at least this large is zeroed by dropping its pages
 NORM_CHUNK = 1 << 20  # elements per piece of the squared norm (a 16-bit piece is cast to fp32 whole)
@@ -122,7 +119,7 @@ class GradShards:
                 self.slots[sp] = Slot(self.buffer, cursor, sp.shard_numel)
             self.offsets[sp] = cursor
             cursor += sp.shard_numel
-            _OWNER[sp] = self
+            sp.grad_owner = self
         self.numel = cursor
         self._starts = [self.offsets[sp] for sp in params]  # ascending: the shards lie in order
         # On demand, shards are made a chunk at a time: a run of shards next to each other in the flat
@@ -157,7 +154,8 @@ class GradShards:
     @staticmethod
     def of(sp: ShardedParam) -> GradShards | None:
         """The gradient shards that hold `sp`'s, if it is trained."""
-        return _OWNER.get(sp)
+        owner: GradShards | None = sp.grad_owner
+        return owner
 
     def __contains__(self, sp: ShardedParam) -> bool:
         return sp in self.offsets
@@ -372,8 +370,8 @@ class GradShards:
         """Forget the parameters (the engine is being destroyed)."""
         self.forget_views()
         for sp in self.params:
-            if _OWNER.get(sp) is self:
-                del _OWNER[sp]
+            if sp.grad_owner is self:
+                sp.grad_owner = None
         self.slots.clear()
         self._own.clear()
         self.arrived.clear()

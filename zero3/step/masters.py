@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,14 +29,12 @@ class MasterSlots:
     owner: MasterOwner  # the optimizer that steps the parameter (zero3.accessors asks whether it has yet)
 
 
-# Each parameter's master slots, for the per-parameter accessors (zero3.safe_get_local_fp32_param, ...).
-MASTERS: weakref.WeakKeyDictionary[ShardedParam, MasterSlots] = weakref.WeakKeyDictionary()
 
 
 def settle_for_accessor(sp: ShardedParam) -> None:
     """Before an accessor reads `sp`'s master or moments, or writes its gradient or master: the backward's
     early steps are undone (zero3.step.early_step), so it sees no speculated value."""
-    slots = MASTERS.get(sp)
+    slots: MasterSlots | None = sp.master_slots
     if slots is not None:
         slots.owner.before_state_change()  # (a write must not reach a save reading the state in place)
         slots.owner.undo_early_steps("an accessor read or wrote the optimizer's state")
@@ -47,4 +44,5 @@ def master_slots(sp: ShardedParam) -> MasterSlots | None:
     """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
     outside the step (the accessors): settled first (`settle_for_accessor`)."""
     settle_for_accessor(sp)
-    return MASTERS.get(sp)
+    slots: MasterSlots | None = sp.master_slots
+    return slots

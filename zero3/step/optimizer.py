@@ -25,7 +25,7 @@ from zero3.step.early_step import EarlySteps
 from zero3.step.torch_state import TorchOptimizerState
 from zero3.step.layout import ScalarSnapshot, SubGroup, check_shard_is_master, lp_runs, split, steps_on_its_gradients
 from zero3.step.grad_shards import GradShards, Piece
-from zero3.step.masters import MASTERS, MasterSlots
+from zero3.step.masters import MasterSlots
 from zero3.step.replica_vote import ReplicaVote
 from zero3.step.muon_step import MuonDirections
 from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
@@ -111,7 +111,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             slots = MasterSlots(hp, {name: Slot(buf, cursor, sp.shard_numel) for name, buf in self.moments.items()}, self)
             self.masters[sp] = slots
             self.order_offsets[sp] = cursor
-            MASTERS[sp] = slots
+            sp.master_slots = slots  # the parameter's own (zero3.step.masters)
             if self.hp_params is not None:
                 slots.hp.write(sp.hp_seed if sp.hp_seed is not None else sp.lp_slot.read())
                 sp.followers.append(slots.hp)  # a new full value (GatheredParameters) reaches the master too
@@ -581,8 +581,8 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         self.sub_groups.clear()
         self.params.clear()
         for sp, slots in self.masters.items():
-            if MASTERS.get(sp) is slots:
-                del MASTERS[sp]
+            if sp.master_slots is slots:
+                sp.master_slots = None
             if slots.hp in sp.followers:
                 sp.followers.remove(slots.hp)
             if sp.master_keeper is self:
