@@ -80,8 +80,8 @@ def main() -> None:
         engine.step()
         torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
-    pinned_within_steps = not engine.host_pool.reserving
-    engine.host_pool.settle()
+    pinned_within_steps = not engine.parts.host_pool.reserving
+    engine.parts.host_pool.settle()
     pin_s = time.perf_counter() - pin_started if args.pin_ahead else None
     torch.cuda.synchronize()
     state_bytes = sum(sum(places.values()) for places in engine.state_report().values())
@@ -107,7 +107,7 @@ def main() -> None:
               f" ({'within' if pinned_within_steps else 'after'} the {args.steps} steps);"
               f" step s: {', '.join(f'{s:.3f}' for s in step_s)}")
     host_stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    print("pinned host MiB (pool / torch's host allocator):", f"{engine.host_pool.pinned_bytes / 2**20:,.0f}",
+    print("pinned host MiB (pool / torch's host allocator):", f"{engine.parts.host_pool.pinned_bytes / 2**20:,.0f}",
           "/", f"{host_stats.get('allocated_bytes.current', host_stats.get('allocated_bytes', 0)) / 2**20:,.0f}"
           if host_stats else "n/a")
     print("| cycle | offload s | GB/s | reload s | GB/s | device MiB before | after |")

@@ -108,7 +108,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 def state_buffers(engine: Any, state: OffloadStateType) -> list[Any]:
     """The FlatBuffers of a state (the engine's own accessor; the scratch bucket is the reducer's)."""
     if state is SCRATCH:
-        return [engine.reducer.scratch] if engine.reducer.scratch is not None else []
+        return [engine.parts.reducer.scratch] if engine.parts.reducer.scratch is not None else []
     return engine.parts.state_buffers(state)
 
 

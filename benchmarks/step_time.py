@@ -346,7 +346,7 @@ def _build_zero3(job: Job, threshold: int | None, checkpoints: bool = False, ove
             print(f"zero3 rank 0: sub-groups stepped early and kept {stats.kept}, undone {stats.undone}{why}; "
                   f"backwards that stepped nothing early (the step before was clipped or not finite): "
                   f"{stats.skipped}", flush=True)
-        heap = engine.reducer.heap_return  # on the CPU: the heap the backward freed, handed back (host_heap)
+        heap = engine.parts.reducer.heap_return  # on the CPU: the heap the backward freed, handed back (host_heap)
         if heap.enabled and os.environ.get("RANK", "0") == "0":
             print(f"zero3 rank 0: {heap.calls} heap hand-backs in {heap.seconds * 1e3:.0f} ms "
                   f"over {job.warmup + job.steps} steps", flush=True)

@@ -19,7 +19,7 @@ child process (its buffers stay out of this process's peak RSS), and again
 after training; ratios use the mean of the two rates (both are printed: this
 VM's disk drifts by up to 2x within a run). Then ``--steps``
 training steps, each timed per phase (forward, backward, step) with the bytes
-the engine's disk layer moved in that phase (``engine.disk.bytes_read`` /
+the engine's disk layer moved in that phase (``engine.parts.disk.bytes_read`` /
 ``bytes_written``). The I/O rate of a phase is its bytes over its wall time
 (compute included: it is what the step sees); "plain" for the same mix of
 reads and writes is bytes / (read bytes / plain read rate + written bytes /
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     generator = torch.Generator().manual_seed(1)
     rows: list[dict[str, Any]] = []
-    disk = engine.disk
+    disk = engine.parts.disk
     for step in range(args.steps):
         idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
         row: dict[str, Any] = {"step": step + 1}

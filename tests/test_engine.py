@@ -172,7 +172,7 @@ def count_collectives(rank: int, world: int) -> dict:
     first = dict(calls)
     engine.step()
     after_step = zero3.param_status(model.fc1.weight)
-    buckets = [[sp.name for sp in bucket.params] for bucket in engine.reducer.buckets]
+    buckets = [[sp.name for sp in bucket.params] for bucket in engine.parts.reducer.buckets]
     engine.destroy()
     return {"first": first, "statuses": statuses, "after_step": after_step, "buckets": buckets}
 

@@ -268,14 +268,14 @@ def parked(engine: zero3.ZeroEngine, expected: dict[str, torch.Tensor], rank: in
     for name, kwargs in cases:
         engine.offload_states(**kwargs)
         at_rest = where(engine)
-        read_before = engine.disk.bytes_read
+        read_before = engine.parts.disk.bytes_read
         got = stream(engine)
         out[name] = {
             "equal": same(got, expected),
             "unmoved": where(engine) == at_rest,
             "lp_devices": at_rest[1]["lp_params"],
             "offloaded": sorted(s for s, places in at_rest[0].items() if "nvme" in places),
-            "bytes_read": engine.disk.bytes_read - read_before,
+            "bytes_read": engine.parts.disk.bytes_read - read_before,
             "cast": same(stream(engine, dtype=torch.float32, names=["embed.weight"]),
                          {"embed.weight": expected["embed.weight"].float()}),
         }

@@ -32,7 +32,7 @@ def measure(rank: int, world: int, bucket: int) -> dict:
     with zero3.Init(config=cfg(bucket)):
         model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=3)
     engine, *_ = zero3.initialize(model=model, model_parameters=model.parameters(), config=cfg(bucket))
-    reducer = engine.reducer
+    reducer = engine.parts.reducer
     arrived: list[weakref.ref] = []
     outlived = 0
     add = reducer.add
@@ -111,7 +111,7 @@ def count_waits(rank: int, world: int) -> list[list[str]]:
     torch.manual_seed(0)
     model = models.TiedTransformer(vocab=256, dim=64, heads=4, layers=3)
     engine, *_ = zero3.initialize(model=model, config=cfg(BUCKET))
-    reduce = engine.reducer.reduce
+    reduce = engine.parts.reducer.reduce
     start = reduce.start
     waits: list[list[str]] = []
 

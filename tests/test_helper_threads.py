@@ -138,7 +138,7 @@ STUCK_REDUCTION = textwrap.dedent(
             time.sleep(0.05)
         os._exit(0)
     never_joined = dist.all_reduce(torch.ones(4), async_op=True)
-    watched = engine.reducer._watch(never_joined)
+    watched = engine.parts.reducer._watch(never_joined)
     assert watched is not None and not watched.done()
     try:
         raise RuntimeError("rank 0 gives up on a step its peer never reached")

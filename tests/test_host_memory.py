@@ -173,8 +173,8 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> di
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=8, n_embd=256))
     with models.flat_gradients():
         engine = zero3.initialize(model=model, config=config)[0]
-    engine.reducer.heap_return.enabled = hand_back
-    engine.reducer.heap_return.every_bytes = 1 << 20  # this model's shards are 6 MiB: several hand-backs
+    engine.parts.reducer.heap_return.enabled = hand_back
+    engine.parts.reducer.heap_return.every_bytes = 1 << 20  # this model's shards are 6 MiB: several hand-backs
     tokens = torch.randint(0, 65, (32, 65), generator=torch.Generator().manual_seed(rank))
     x, y = tokens[:, :-1], tokens[:, 1:]
     engine.backward(engine(x, y)["loss"])  # a first step: lp_grads' pages and the optimizer state exist after it
@@ -188,11 +188,11 @@ def freed_but_resident_in_backward(rank: int, world: int, hand_back: bool) -> di
         grown.append(((after[0] - before[0]) - (after[1] - before[1])) / 2**20)
 
     handle = model.blocks[0].register_full_backward_hook(at_block_0)
-    calls = engine.reducer.heap_return.calls
+    calls = engine.parts.reducer.heap_return.calls
     engine.backward(engine(x, y)["loss"])
     handle.remove()
-    seen = {"grown": grown[0], "hand_backs": engine.reducer.heap_return.calls - calls,
-            "buckets": len(engine.reducer.buckets)}
+    seen = {"grown": grown[0], "hand_backs": engine.parts.reducer.heap_return.calls - calls,
+            "buckets": len(engine.parts.reducer.buckets)}
     engine.destroy()
     return seen
 
@@ -220,7 +220,7 @@ def gradient_bytes_held(rank: int, world: int) -> dict:
     back."""
     engine, seen = accumulated_steps(rank, world, lambda engine: engine.optimizer.grads.nbytes)
     grads = engine.optimizer.grads
-    seen.update(flat=grads.buffer is not None, hand_back=engine.reducer.heap_return.enabled,
+    seen.update(flat=grads.buffer is not None, hand_back=engine.parts.reducer.heap_return.enabled,
                 whole=grads.numel * grads.dtype.itemsize, model_state=engine.model_state_bytes()["lp_grads"])
     engine.destroy()
     return seen

@@ -91,7 +91,7 @@ def tiers_on_cuda(rank: int, world: int, root: str) -> dict:
             losses.append(loss.item())
         out["losses"][name] = losses
         out["homes"][name] = engine.state_report().homes
-        out["side_stream"][name] = engine.reducer._copy_stream is not None
+        out["side_stream"][name] = engine.parts.reducer._copy_stream is not None
         engine.destroy()
     return out
 

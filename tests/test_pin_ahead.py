@@ -67,7 +67,7 @@ def cpu_engine_pins_nothing(rank: int, world: int) -> dict:
     before = snapshot(engine, model)
     engine.offload_states()
     engine.reload_states()
-    result = {"making": making, "pool": sorted(engine.host_pool.snapshot()), "equal": same(before, snapshot(engine, model))}
+    result = {"making": making, "pool": sorted(engine.parts.host_pool.snapshot()), "equal": same(before, snapshot(engine, model))}
     engine.destroy()
     return result
 
@@ -86,7 +86,7 @@ def pinned_ahead_on_cuda(rank: int, world: int) -> dict:
     making = engine.pin_offload_buffers()
     micro_step(engine, data[1], rank, world)  # training goes on while the buffers are made
     engine.step()
-    engine.host_pool.settle()
+    engine.parts.host_pool.settle()
     reserved = {key: t.data_ptr() for key, t in engine.offloader.host.pinned.items()}
     again = engine.pin_offload_buffers()
     before = snapshot(engine, model)

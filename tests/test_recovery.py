@@ -116,7 +116,7 @@ def train_with_failure(rank: int, world: int, fail: str | None) -> dict:
             statuses = {zero3.param_status(p) for p in model.parameters()}
             checks.append({
                 "statuses": statuses, "live": engine.coordinator.live_numel(),
-                "reducer_open": engine.reducer.open, "in_flight": len(engine.reducer._inflight),
+                "reducer_open": engine.parts.reducer.open, "in_flight": len(engine.parts.reducer._inflight),
                 "grads_zero": all(not grads.read(sp).any() for grads in [engine.optimizer.grads] for sp in grads.params),
             })
         loss = engine(xs, ys)

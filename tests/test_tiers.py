@@ -109,13 +109,13 @@ class InFlight:
 def record_writes(engine: zero3.ZeroEngine) -> list[str]:
     """The names of the files the engine's disk layer writes from now on."""
     names: list[str] = []
-    write = engine.disk.write
+    write = engine.parts.disk.write
 
     def recorded(file: Any, source: torch.Tensor, offset: int = 0) -> Any:
         names.append(file.path.name)
         return write(file, source, offset)
 
-    engine.disk.write = recorded  # type: ignore[method-assign]
+    engine.parts.disk.write = recorded  # type: ignore[method-assign]
     return names
 
 
@@ -141,8 +141,8 @@ def parity(rank: int, world: int, root: str) -> dict:
             out["files"][key] = sorted({n.rsplit(".", 2)[0] for n in written})
             out["homes"][key] = engine.state_report().homes
             out["devices"][key] = {s.value: {str(d) for d in zero3.get_state_devices(engine, s)} for s in OffloadStateType}
-            if engine.param_disk is not None:
-                out.setdefault("reads", {})[key] = (engine.param_disk.reads_ahead_used, engine.param_disk.reads_on_demand)
+            if engine.parts.param_disk is not None:
+                out.setdefault("reads", {})[key] = (engine.parts.param_disk.reads_ahead_used, engine.parts.param_disk.reads_on_demand)
             if name == "optimizer_nvme" and precision == "fp32":
                 optimizer = engine.optimizer
                 out["sub_groups"] = {
@@ -160,8 +160,8 @@ def parity(rank: int, world: int, root: str) -> dict:
     for name in ("none", "params_nvme"):
         engine, _ = build(tiers(root)[name], name="branchy")
         out["losses"][f"branchy/{name}"] = train(engine, rank, world, models.batches("branch", 6, 4 * world))
-        if engine.param_disk is not None:
-            out["reads"]["branchy"] = (engine.param_disk.reads_ahead_used, engine.param_disk.reads_on_demand)
+        if engine.parts.param_disk is not None:
+            out["reads"]["branchy"] = (engine.parts.param_disk.reads_ahead_used, engine.parts.param_disk.reads_on_demand)
         engine.destroy()
     out["left"] = sorted(os.listdir(root))
     return out
@@ -262,12 +262,12 @@ def parking(rank: int, world: int, root: str, park: str | None) -> dict:
         batches = models.batches("tokens", STEPS, 4 * world)
         losses = train(engine, rank, world, batches[:2])
         before = local_state(engine, model)
-        written_before = engine.disk.bytes_written
+        written_before = engine.parts.disk.bytes_written
         engine.offload_states(device="nvme", nvme_path=park or root)
         parked = engine.state_report()
         # 5: parking goes through the tiers' own disk layer and host pool, not a second one.
-        shared = engine.offloader.disk is engine.disk and engine.offloader.host.pool is engine.host_pool
-        parked_bytes = engine.disk.bytes_written - written_before
+        shared = engine.offloader.disk is engine.parts.disk and engine.offloader.host.pool is engine.parts.host_pool
+        parked_bytes = engine.parts.disk.bytes_written - written_before
         engine.reload_states()
         back = engine.state_report()
         out[name] = {
@@ -312,7 +312,7 @@ def reserved_vs_written(rank: int, world: int, root: str) -> dict:
     needs = disk_needs(engine.config, engine.all_units, engine.compute_dtype, trainable, states)
     result = {
         "reserved": needs["zero_optimization.offload_param.nvme_path"][1],
-        "file": engine.param_disk.file.nbytes,
+        "file": engine.parts.param_disk.file.nbytes,
         "all_shards": sum(unit.shard_numel for unit in engine.all_units) * engine.compute_dtype.itemsize,
     }
     engine.destroy()

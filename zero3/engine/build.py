@@ -173,6 +173,12 @@ class EngineParts:
         self.disk.close()
         self.host_pool.clear()
 
+    def forget(self) -> None:
+        """After `close`: hold none of the closed parts (a destroyed engine has no units, parameters,
+        optimizer or gradient shards)."""
+        self.units, self.persistent_unit, self.sharded_params = [], None, []
+        self.optimizer = self.grads = None
+
 
 def build(
     model: nn.Module, config: Zero3Config, comm: Communicator, gather: ParamGather, device: torch.device,

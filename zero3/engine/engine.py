@@ -31,7 +31,14 @@ from zero3.offload.tiers import check_tiers
 from zero3.optim import spec as optimizer_spec
 from zero3.partition.collectives import ParamGather
 from zero3.shard_mesh import ShardMesh
+from zero3.offload.manager import StateOffloader
+from zero3.partition.flat_buffer import FlatBuffer
+from zero3.partition.sharded_param import ShardedParam
 from zero3.partition.unit import GatherUnit
+from zero3.passes.coordinator import ParamCoordinator
+from zero3.step.grad_shards import GradShards
+from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
+from zero3.step.optimizer import ZeroOptimizer
 from zero3.engine.build import build
 from zero3.engine.checkpoints import CheckpointMethods
 from zero3.engine.getters import DeepSpeedGetters
@@ -111,15 +118,6 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             model, config, comm, self.gather, device, model_parameters, self.global_rank, spec,
             self.batch.gradient_accumulation_steps, self.protocol,
         )
-        parts = self.parts
-        self.units, self.persistent_unit, self.sharded_params = parts.units, parts.persistent_unit, parts.sharded_params
-        self.disk, self.host_pool, self.lp_buffers, self.param_disk = (
-            parts.disk, parts.host_pool, parts.lp_buffers, parts.param_disk
-        )
-        self.grads, self.reducer, self.loss_scaler, self.optimizer = (
-            parts.grads, parts.reducer, parts.loss_scaler, parts.optimizer
-        )
-        self.coordinator, self.offloader = parts.coordinator, parts.offloader
 
         self.lr_scheduler = None
         if self.optimizer is not None:
@@ -193,6 +191,43 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             f"{type(self).__name__!r} object has no attribute {name!r}"
             + (f", and neither has its module ({type(module).__name__})" if module is not None else "")
         )
+
+    # ---- the parts, under the engine's names: each is its EngineParts field (one place holds it) ----------
+    @property
+    def units(self) -> list[GatherUnit]:
+        return self.parts.units
+
+    @property
+    def persistent_unit(self) -> GatherUnit | None:
+        return self.parts.persistent_unit
+
+    @property
+    def sharded_params(self) -> list[ShardedParam]:
+        return self.parts.sharded_params
+
+    @property
+    def lp_buffers(self) -> list[FlatBuffer]:
+        return self.parts.lp_buffers
+
+    @property
+    def optimizer(self) -> ZeroOptimizer | None:
+        return self.parts.optimizer
+
+    @property
+    def grads(self) -> GradShards | None:
+        return self.parts.grads
+
+    @property
+    def loss_scaler(self) -> LossScaler | DynamicLossScaler:
+        return self.parts.loss_scaler
+
+    @property
+    def coordinator(self) -> ParamCoordinator:
+        return self.parts.coordinator
+
+    @property
+    def offloader(self) -> StateOffloader:
+        return self.parts.offloader
 
     # ---- training API -------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -472,12 +507,9 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         if self.fault_tolerance is not None:
             self.fault_tolerance.close()
         self.parts.close()
-        self.optimizer = self.grads = None
+        self.parts.forget()
         self.saves.release_state()  # (the buffers that lived in it are freed)
         self.lr_scheduler = None
-        self.units = []
-        self.persistent_unit = None
-        self.sharded_params = []
         self._destroyed = True
         accelerator.synchronize(self.device)
         self.comm.close()
