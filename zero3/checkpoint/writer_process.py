@@ -110,7 +110,12 @@ class WriterProcess:
 
     @property
     def alive(self) -> bool:
-        return self._process.poll() is None
+        """Whether the writer runs, asked between writes. It sends nothing then, so something to read on its
+        connection (its end closed) means it died, even before the kernel lets it be reaped; before its
+        first write, its startup answer may be what is waiting."""
+        if self._process.poll() is not None:
+            return False
+        return not self._ready or not self._conn.poll(0)
 
     def write(self, request: WriteRequest, on_read: Callable[[], None] | None = None) -> Path:
         """Have the writer write one tag; returns its path, or raises what the writer raised. `on_read` is
@@ -118,8 +123,12 @@ class WriterProcess:
         if not self._ready:
             self._reply(f"starting the checkpoint writer process (pid {self._process.pid})", _STARTUP_S)
             self._ready = True
-        self._send(request)
         doing = f"writing tag {request.write.tag!r}"
+        try:
+            self._send(request)
+        except OSError:
+            code = self._process.wait()
+            raise CheckpointError(f"the checkpoint writer process exited (code {code}) before {doing}") from None
         while (path := self._reply(doing, None)) is _READ:
             if on_read is not None:
                 on_read()
