@@ -367,12 +367,9 @@ def test_a_fused_kernel_is_chosen_only_for_the_devices_torch_has_it_for() -> Non
 
 
 def client_beside_the_config(rank: int, world: int) -> dict:
-    import logging
+    from tests.logs import zero3_messages
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero3").addHandler(handler)
+    records = zero3_messages()
     model = models.MLP()
     client = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, optimizer, *_ = zero3.initialize(model=model, optimizer=client, config=config(world, {"type": "AdamW"}))

@@ -230,12 +230,9 @@ def test_an_external_parameter_registered_as_in_deepspeed_and_the_whole_model_fo
 
 
 def edits_without_a_modifier_rank(rank: int, world: int) -> dict:
-    import logging
+    from tests.logs import zero3_messages
 
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero3").addHandler(handler)
+    warnings = zero3_messages()
     with zero3.Init(config=CONFIG):
         model = models.MLP()
     before = zero3.safe_get_local_lp_param(model.fc1.weight).clone()
