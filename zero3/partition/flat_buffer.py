@@ -71,12 +71,6 @@ class FlatBuffer:
         # (zero3.checkpoint.shared_state sets it).
         self.before_write: Callable[[], None] | None = None
 
-    @classmethod
-    def zeros(
-        cls, name: str, numel: int, dtype: torch.dtype, device: torch.device, state: str | None = None
-    ) -> "FlatBuffer":
-        return cls(name, torch.zeros(numel, dtype=dtype, device=device), state)
-
     # ---- the data ----------------------------------------------------------
     @property
     def tensor(self) -> torch.Tensor:
