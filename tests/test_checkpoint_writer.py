@@ -73,6 +73,7 @@ def saved_by_a_writer(rank: int, world: int, root: str) -> dict:
     out = {"writers": during, "staged": staged, "staged_after": segments()}
     if rank == 1:
         os.kill(during[0], signal.SIGKILL)  # one rank's writer dies between saves
+        # Until it has let go of its memory: it may not have closed its connection yet, nor be reapable.
         while writers():
             time.sleep(0.01)
     dist.barrier()

@@ -110,10 +110,11 @@ class WriterProcess:
 
     @property
     def alive(self) -> bool:
-        """Whether the writer runs, asked between writes. It sends nothing then, so something to read on its
-        connection (its end closed) means it died, even before the kernel lets it be reaped; before its
-        first write, its startup answer may be what is waiting."""
-        if self._process.poll() is not None:
+        """Whether the writer runs, asked between writes. A process that is exiting has let go of its address
+        space first (its command line reads empty), then of its files, and only then can it be reaped; it
+        sends nothing between writes, so something to read on its connection (its end closed) means it died
+        too. Before its first write, its startup answer may be what is waiting."""
+        if self._process.poll() is not None or not _has_address_space(self._process.pid):
             return False
         return not self._ready or not self._conn.poll(0)
 
@@ -161,6 +162,14 @@ class WriterProcess:
         if outcome == "failed":
             raise value
         return _READ if outcome == "read" else value
+
+
+def _has_address_space(pid: int) -> bool:
+    """Whether process `pid` (our child, not yet reaped) still has its memory: an exiting one has none."""
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:  # no /proc here: the other signs decide
+        return True
 
 
 # --------------------------------------------------------------------------- the writer's side
