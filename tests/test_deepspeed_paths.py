@@ -334,3 +334,51 @@ def test_averaged_gradients_are_keyed_by_parameter_group_as_deepspeeds_sub_group
     for out in run_ranks(2, averaged_by_group):
         assert out["sub_groups"] > 2
         assert out["keys"] == [0, 1] and out["lengths"] == out["sizes"] and out["equal"]
+
+
+class Scale(nn.Module):
+    """An elementwise model: its output's dtype is what its inputs' and weight's promote to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def forward_dtypes(rank: int, world: int, config_path: str) -> dict:
+    import json
+
+    import zero3.deepspeed as deepspeed
+
+    x = torch.full((2, 8), 1.0 / 3.0)  # fp32, and not exact in bf16
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    Path(config_path).write_text(json.dumps(config))
+    out = {}
+    for name, build, cfg in (
+            ("deepspeed", deepspeed.initialize, config),
+            ("deepspeed_file", deepspeed.initialize, config_path),
+            ("deepspeed_cast", deepspeed.initialize, config | {"bf16": {"enabled": True, "auto_cast": True}}),
+            ("zero3", zero3.initialize, config)):
+        engine = build(model=Scale(), config=cfg)[0]
+        y = engine(x)
+        out[name] = (y.dtype, y.detach().float().clone())
+        engine.destroy()
+    out["config_after"] = config
+    return out
+
+
+def test_deepspeeds_initialize_passes_inputs_as_given_in_bf16_as_deepspeed_does(tmp_path) -> None:
+    """DeepSpeed casts no input in bf16 (nor in fp16 unless `fp16.auto_cast`); a script ported by its import line
+    computes what it computed there. zero3's own `initialize` keeps its cast (FSDP2's `cast_forward_inputs`)."""
+    x, weight = torch.full((2, 8), 1.0 / 3.0), torch.linspace(0.5, 2.0, 8).bfloat16()
+    as_given, cast = x * weight, (x.bfloat16() * weight).float()  # fp32 x bf16 promotes to fp32
+    assert not torch.equal(as_given, cast)
+    for out in run_ranks(2, forward_dtypes, str(tmp_path / "ds_config.json")):
+        for name in ("deepspeed", "deepspeed_file"):
+            assert out[name][0] == torch.float32 and torch.equal(out[name][1], as_given), name
+        for name in ("deepspeed_cast", "zero3"):
+            assert out[name][0] == torch.bfloat16 and torch.equal(out[name][1], cast), name
+        assert "auto_cast" not in out["config_after"]["bf16"]  # the caller's dict is not changed

@@ -9,6 +9,8 @@ Face's integration) would take zero3 for it and reach into DeepSpeed's internals
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch.distributed as dist
 
 import zero3
 from zero3 import init_distributed
+from zero3.config import Zero3Config
+from zero3.config.loading import read_config_file
 from zero3.engine.engine import ZeroEngine as DeepSpeedEngine
 from zero3.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils
 from zero3.deepspeed.runtime import lr_schedules, zero
@@ -71,8 +75,24 @@ def initialize(
         # DeepSpeed's optimizer factory: called with the parameters it is to optimize.
         model_parameters = list(model_parameters) if model_parameters is not None else list(model.parameters())
         optimizer = optimizer(model_parameters)
-    return zero3.initialize(model=model, model_parameters=model_parameters, config=chosen, optimizer=optimizer,
-                            lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    return zero3.initialize(model=model, model_parameters=model_parameters, config=deepspeed_defaults(chosen),
+                            optimizer=optimizer, lr_scheduler=lr_scheduler, training_data=training_data,
+                            collate_fn=collate_fn)
+
+
+def deepspeed_defaults(config: dict | str | os.PathLike[str] | Zero3Config) -> dict | Zero3Config:
+    """`config` with DeepSpeed's defaults where zero3's differ and the config says nothing: the forward passes
+    its inputs as given (`auto_cast` false in `bf16` and `fp16`: DeepSpeed casts only under `fp16.auto_cast`),
+    so a script ported by its import line computes what it did. A `Zero3Config` is zero3's own: kept as it is."""
+    if isinstance(config, Zero3Config):
+        return config
+    data = read_config_file(config) if isinstance(config, (str, os.PathLike)) else copy.deepcopy(config)
+    if not isinstance(data, dict):
+        return data  # zero3.initialize names what it expected
+    for section in ("bf16", "fp16"):
+        if isinstance(data.get(section), dict):
+            data[section].setdefault("auto_cast", False)
+    return data
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
