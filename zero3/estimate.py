@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from zero3.config import ZeroConfig, Zero3Config
+from zero3.engine_state import MODEL_STATES
+from zero3.enums import OffloadStateType
 from zero3.offload.optimizer_tier import FP32_BYTES
 from zero3.offload.param_tier import split_units
 from zero3.partition.collectives import GradReduce, ParamGather
@@ -56,10 +58,9 @@ TIERS = ("none", "cpu", "nvme")
 ACCELERATORS = ("cuda", "cpu")
 PLACES = ("device", "host", "disk")
 # Model state first (what `engine.model_state_bytes()["total"]` adds up), then the scratch bucket.
-MODEL_STATES = ("lp_params", "hp_params", "lp_grads", "optim_states", "persistent_params", "hpz_secondary")
 STATES = (*MODEL_STATES, "contiguous_grad_buffer")
-# The states `engine.state_report()` covers (the OffloadStateType values).
-REPORTED_STATES = ("hp_params", "lp_params", "lp_grads", "optim_states", "contiguous_grad_buffer")
+# The states `engine.state_report()` covers.
+REPORTED_STATES = tuple(state.value for state in OffloadStateType)
 
 _ZERO_DEFAULTS = ZeroConfig()
 

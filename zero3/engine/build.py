@@ -26,6 +26,7 @@ from torch import nn
 
 from zero3.comm import Communicator
 from zero3.config import Zero3Config
+from zero3.engine_state import buffers_of, bytes_by_state, state_list
 from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
@@ -129,10 +130,7 @@ class EngineParts:
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by state (the 16P/N of ZeRO-3)."""
-        states = {"lp_params": sum(buffer.nbytes for buffer in self.lp_buffers), "hp_params": 0, "lp_grads": 0,
-                  "optim_states": 0}
-        if self.optimizer is not None:
-            states.update(self.optimizer.state_bytes())
+        states = bytes_by_state(state_list(self.lp_buffers, self.optimizer))
         states["persistent_params"] = self.persistent_unit.unsharded_nbytes() if self.persistent_unit else 0
         states["hpz_secondary"] = self.secondary.nbytes if self.secondary is not None else 0
         states["total"] = sum(states.values())
@@ -313,11 +311,8 @@ def state_home(optimizer: ZeroOptimizer | None, state: OffloadStateType) -> torc
 
 
 def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:
-    """The flat buffers that hold a state (the scratch bucket is the reducer's: asked directly)."""
-    if state is OffloadStateType.lp_params:
-        return list(lp_buffers)
-    if optimizer is None:
-        return []
+    """The flat buffers that hold a state now (the engine's one list, zero3.engine_state)."""
+    return buffers_of(state_list(lp_buffers, optimizer), state)
     if state is OffloadStateType.hp_params:  # none where the masters are the shards (lp_params holds them)
         return [optimizer.hp_params] if optimizer.hp_params is not None else []
     if state is OffloadStateType.lp_grads:

@@ -39,6 +39,8 @@ from typing import Any, Protocol
 
 import torch
 
+from zero3.engine_state import GradientBuffers, state_list
+from zero3.enums import OffloadStateType
 from zero3.fault_tolerance.replicas import FaultToleranceError
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.sharded_param import ShardedParam
@@ -52,6 +54,7 @@ class PeerOptimizer(Protocol):
     params: list[ShardedParam]  # every trained parameter, in the optimizer's order
     hp_params: FlatBuffer | None  # the fp32 masters' buffer (None: the masters are the shards)
     moments: Mapping[str, FlatBuffer]
+    grads: GradientBuffers  # not sent: a peer is sent the state between steps
     param_groups: list[dict[str, Any]]
     optimizer: torch.optim.Optimizer
 
@@ -112,14 +115,9 @@ class PeerState:
 
     @staticmethod
     def _buffers(view: PeerView) -> dict[str, FlatBuffer]:
-        buffers = {f"lp_params.{index}": buffer for index, buffer in enumerate(view.lp_buffers)}
-        optimizer = view.optimizer
-        if optimizer is not None:
-            if optimizer.hp_params is not None:
-                buffers["hp_params"] = optimizer.hp_params
-            for name, buffer in optimizer.moments.items():
-                buffers[f"optim_states.{name}"] = buffer
-        return buffers
+        """The engine's state a peer receives: all of it but this step's gradients (zero3.engine_state)."""
+        return {entry.key: entry.buffer for entry in state_list(view.lp_buffers, view.optimizer)
+                if entry.state is not OffloadStateType.lp_grads}
 
     def _layout(self, view: PeerView) -> dict[str, Any]:
         return {

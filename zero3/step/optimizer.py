@@ -588,10 +588,3 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             if sp.master_keeper is self:
                 sp.master_keeper = None
         self.masters.clear()
-
-    def state_bytes(self) -> dict[str, int]:
-        return {
-            "hp_params": self.hp_params.nbytes if self.hp_params is not None else 0,
-            "lp_grads": self.grads.nbytes,
-            "optim_states": sum(buf.nbytes for buf in self.moments.values()),
-        }
