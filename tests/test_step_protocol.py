@@ -43,7 +43,7 @@ def scoped(rank: int, world: int) -> dict[str, object]:
         return OSError(f"disk of rank {failing} gone") if rank == failing else None
 
     # One failure flag, settled within the replica group.
-    seen["settle"] = outcome(lambda: replica.settle("step", fail_on(FAILING)))
+    seen["settle"] = outcome(lambda: replica.raise_together("step", fail_on(FAILING)))
     # A call between steps: it raises on rank 0, whose group alone raises; the other group gets its result.
     seen["agree"] = outcome(lambda: replica.agree("offload_states", lambda: 1 / (rank - 0) and rank))
     # What an agreement exchanges beyond its flags comes back under job ranks.
@@ -53,7 +53,7 @@ def scoped(rank: int, world: int) -> dict[str, object]:
     failure = replica.first_failure("load_checkpoint", outcomes)
     seen["first_failure"] = None if failure is None else str(failure)
     # The job-wide protocol: the same failure reaches every rank.
-    seen["job_settle"] = outcome(lambda: job.settle("step", fail_on(FAILING)))
+    seen["job_settle"] = outcome(lambda: job.raise_together("step", fail_on(FAILING)))
     # And the groups are still in step: one more flag round in each.
     seen["after"] = replica.flags([rank == 1])[0]
     return seen

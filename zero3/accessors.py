@@ -27,7 +27,7 @@ from zero3.partition.flat_buffer import Slot, StateOffloadedError
 from zero3.partition.sharded_param import ShardedParam, require_sharded
 from zero3.partition.unit import UnitState, unit_of
 from zero3.step.grad_shards import GradShards
-from zero3.step.masters import master_slots, settle_for_accessor
+from zero3.step.masters import master_slots, undo_early_step_of
 
 
 def param_status(param: torch.Tensor) -> ParamStatus:
@@ -142,7 +142,7 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     grads = GradShards.of(sp)
     if grads is None:
         return
-    settle_for_accessor(sp)  # (the backward's early steps used the gradients as they were)
+    undo_early_step_of(sp)  # (the backward's early steps used the gradients as they were)
     grads.view(sp).copy_(_local_value(sp, value, "safe_set_local_grad"))
     grads.mark_arrived(sp)
 
@@ -187,7 +187,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     shard, and a copy gathered now takes the value (for a frozen parameter, the 16-bit copies)."""
     sp = require_sharded(param, "safe_set_full_fp32_param")
     full = _full_value(sp, value, "safe_set_full_fp32_param")
-    settle_for_accessor(sp)
+    undo_early_step_of(sp)
     _refuse_parked([sp.lp_slot, *sp.followers], "safe_set_full_fp32_param")
     sp.write_full(full.float())
     unit = unit_of(sp)
@@ -211,7 +211,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     grads = GradShards.of(sp)
     if grads is None:
         return
-    settle_for_accessor(sp)  # (the backward's early steps used the gradients as they were)
+    undo_early_step_of(sp)  # (the backward's early steps used the gradients as they were)
     grads.view(sp).copy_(sp.shard_of(_full_value(sp, value, "safe_set_full_grad")))
     grads.mark_arrived(sp)
 

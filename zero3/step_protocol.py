@@ -19,7 +19,7 @@ repair, GatheredParameters) ask it, never the communicator:
 * `flags(...)`: one round of host flags (set on any rank?);
   `fail_together(where, own)`: once the flags said a rank failed, every rank
   raises (that rank its own exception, the others one naming it);
-  `settle(where, own)`: the two together, for one failure flag;
+  `raise_together(where, own)`: the two together, for one failure flag;
   `peer_failure` / `raise_if_peer_failed`: the exchange alone, where a pass's
   marker already carried the flags;
 * `agree(where, action)`: a call between steps run on every rank, raised on
@@ -133,8 +133,8 @@ class StepProtocol:
         rank's, rebuilt, with `consequence`)."""
         raise_agreed_failure(self.comm, self.scope, where, own, consequence)
 
-    def settle(self, where: str, own: BaseException | None, consequence: str = "",
-               undo: Callable[[], None] | None = None) -> None:
+    def raise_together(self, where: str, own: BaseException | None, consequence: str = "",
+                       undo: Callable[[], None] | None = None) -> None:
         """One failure flag: if any rank's `own` is set, every rank runs `undo` (if given) and raises."""
         if self.flags([own is not None])[0]:
             if undo is not None:

@@ -115,7 +115,7 @@ class EngineParts:
             optimizer.repair_lp()
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             failure = error
-        self.protocol.settle(where, failure, undo=lambda: setattr(optimizer, "lp_stale", True))
+        self.protocol.raise_together(where, failure, undo=lambda: setattr(optimizer, "lp_stale", True))
         self.refresh_gathered()
 
     def check_between_steps(self, what: str) -> None:

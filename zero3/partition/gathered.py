@@ -110,7 +110,7 @@ class GatheredParameters:
                 unit.drop_prepared()
                 unit.release(Hold.PIN)
 
-        protocol.settle("GatheredParameters", own, " (on entering the block; nothing was gathered)", undo=let_go)
+        protocol.raise_together("GatheredParameters", own, " (on entering the block; nothing was gathered)", undo=let_go)
 
     def _protocol(self) -> StepProtocol | None:
         """Where this block's agreements are made: its engine's step protocol (zero3.step_protocol), or one

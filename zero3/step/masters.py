@@ -31,7 +31,7 @@ class MasterSlots:
 
 
 
-def settle_for_accessor(sp: ShardedParam) -> None:
+def undo_early_step_of(sp: ShardedParam) -> None:
     """Before an accessor reads `sp`'s master or moments, or writes its gradient or master: the backward's
     early steps are undone (zero3.step.early_step), so it sees no speculated value."""
     slots: MasterSlots | None = sp.master_slots
@@ -42,7 +42,7 @@ def settle_for_accessor(sp: ShardedParam) -> None:
 
 def master_slots(sp: ShardedParam) -> MasterSlots | None:
     """The master and moments of `sp` in the optimizer that steps it; None if none does. For a reader
-    outside the step (the accessors): settled first (`settle_for_accessor`)."""
-    settle_for_accessor(sp)
+    outside the step (the accessors): settled first (`undo_early_step_of`)."""
+    undo_early_step_of(sp)
     slots: MasterSlots | None = sp.master_slots
     return slots

@@ -391,7 +391,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                                         coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
-            self.protocol.settle("step", failure, NOT_APPLIED, undo=put_back)
+            self.protocol.raise_together("step", failure, NOT_APPLIED, undo=put_back)
         streamed = self.states.transactional
         # The scalars to put back if the walk fails on some rank: only a transactional tier's step can be
         # abandoned; a memory tier's failed walk leaves the engine refusing to train until a checkpoint is
