@@ -46,13 +46,28 @@ def ds_attributes(rank: int, world: int) -> dict:
         out["status_gathered"] = weight.ds_status
         out["agrees_with_param_status"] = weight.ds_status is zero3.param_status(weight)
     out["status_after"] = weight.ds_status
+    # DeepSpeed code sets a partition by assigning its data: this rank's shard becomes rank + 1.
+    shard = weight.ds_tensor
+    weight.ds_tensor.data = torch.full_like(weight.ds_tensor.data, rank + 1.0)
+    out["set_shard_is_seen"] = bool((shard == rank + 1).all()) and torch.equal(
+        zero3.safe_get_local_lp_param(weight), torch.full_like(shard, rank + 1.0))
+    with zero3.GatheredParameters([weight]):
+        out["gathered_after_set"] = weight.detach().clone()
+    out["shard_numel"] = shard.numel()
+    try:
+        weight.ds_tensor.data = torch.zeros(shard.numel() + 1)
+        out["wrong_numel"] = None
+    except ValueError as error:
+        out["wrong_numel"] = str(error)
+    out["plain_ops"] = type(weight.ds_tensor + 1) is torch.Tensor
     engine.destroy()
     out["class_after_destroy"] = type(weight) is torch.nn.Parameter and not hasattr(weight, "ds_numel")
     return out
 
 
-def test_parameters_carry_deepspeeds_read_only_attributes() -> None:
-    for result in run_ranks(2, ds_attributes):
+def test_parameters_carry_deepspeeds_attributes_and_ds_tensor_data_sets_the_shard() -> None:
+    results = run_ranks(2, ds_attributes)
+    for result in results:
         assert result["numel"] == result["expected_numel"] and result["local_numel"] == 0
         assert result["shapes"] and result["ids_unique"] and result["still_parameters"]
         assert result["status_released"] == {zero3.ZeroParamStatus.NOT_AVAILABLE}
@@ -61,6 +76,11 @@ def test_parameters_carry_deepspeeds_read_only_attributes() -> None:
         assert result["class_after_destroy"]
         assert result["ds_tensor"] and result["ds_tensor_is_the_shard"] and result["ds_tensor_numel"]
         assert result["ds_persist"] == {False}  # stage3_param_persistence_threshold: 0
+        assert result["set_shard_is_seen"] and result["plain_ops"]
+        assert "qkv.weight" in result["wrong_numel"] and str(result["shard_numel"]) in result["wrong_numel"]
+    gathered, numel = results[0]["gathered_after_set"], results[0]["shard_numel"]
+    expected = torch.cat([torch.full((numel,), 1.0), torch.full((numel,), 2.0)])[: gathered.numel()]
+    assert torch.equal(gathered.reshape(-1), expected.to(gathered.dtype)) and torch.equal(gathered, results[1]["gathered_after_set"])
 
 
 def training_data(rank: int, world: int) -> dict:

@@ -18,10 +18,47 @@ from torch import nn
 
 from zero3.enums import ParamStatus
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import unit_of
+from zero3.partition.unit import UnitState, unit_of
 
 _IDS = itertools.count()
 _WITH_ATTRIBUTES: dict[type, type] = {}
+
+
+class ShardTensor(torch.Tensor):
+    """`param.ds_tensor`'s type: the shard's values, whose `.data` assignment writes new values into the
+    16-bit shard, as DeepSpeed code sets a partition (`param.ds_tensor.data = values`, same numel). Like
+    DeepSpeed's, the fp32 master keeps its values; a copy of the parameter gathered now is gathered again
+    at its next use. Operations on it give plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _record: ShardedParam
+
+    @staticmethod
+    def of(values: torch.Tensor, record: ShardedParam) -> ShardTensor:
+        out = values.as_subclass(ShardTensor)
+        out._record = record
+        return out
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self).as_subclass(torch.Tensor)
+
+    @data.setter
+    def data(self, values: torch.Tensor) -> None:
+        record = self._record
+        slot = record.lp_slot
+        if slot is None:
+            raise RuntimeError(
+                f"ds_tensor.data = ...: parameter {record.name!r} keeps no 16-bit shard in lean memory mode (it is "
+                "cast from its master): set it with zero3.safe_set_local_fp32_param")
+        if values.numel() != slot.numel:
+            raise ValueError(f"ds_tensor.data = ...: parameter {record.name!r}'s shard has {slot.numel} elements "
+                             f"(padded to whole shards), got a tensor of shape {tuple(values.shape)}")
+        slot.write(values.detach().reshape(-1))
+        torch.Tensor.data.__set__(self, slot.read() if slot.buffer.store is not None else slot.view())
+        unit = unit_of(record)
+        if unit is not None and unit.state is not UnitState.SHARDED:
+            unit.stale = True  # gathered again at its next use, on every rank (as safe_set_local_fp32_param's)
 
 
 class DeepSpeedAttributes:
@@ -57,16 +94,17 @@ class DeepSpeedAttributes:
         """This rank's shard of the 16-bit parameter (flat, padded to whole shards): a view of the
         `lp_params` buffer, valid until the next optimizer step (which writes it in place); a copy when
         the shard lives on disk (offload_param nvme), or is cast from the master (lean memory mode). Raises
-        StateOffloadedError while it is parked."""
+        StateOffloadedError while it is parked. `param.ds_tensor.data = values` writes the shard (see
+        `ShardTensor`)."""
         record = self._record()
         slot = record.lp_slot
         if slot is None and record.lean_master is not None:
-            return record.read_lp()
+            return ShardTensor.of(record.read_lp(), record)
         if slot is None:
             raise AttributeError("this parameter has no shard yet")
         if slot.buffer.store is not None:
-            return slot.read()
-        return slot.view()
+            return ShardTensor.of(slot.read(), record)
+        return ShardTensor.of(slot.view(), record)
 
     @property
     def ds_persist(self) -> bool:
