@@ -70,9 +70,10 @@ def scaled_and_clipped_step(rank: int, world: int, zero: dict, clip: float) -> d
     grads = [zero3.safe_get_full_grad(p).float() / 1024.0 for p in model.parameters()]  # held scaled until the step
     engine.step()
     moved = [before[i] - zero3.safe_get_full_fp32_param(p) for i, p in enumerate(model.parameters())]
+    reported = {"engine": engine.get_global_grad_norm(), "deepspeed": engine.optimizer._global_grad_norm}
     engine.destroy()
     return {"moved": torch.cat([m.flatten() for m in moved]).norm().item(),
-            "grad_norm": torch.cat([g.flatten() for g in grads]).norm().item()}
+            "grad_norm": torch.cat([g.flatten() for g in grads]).norm().item(), "reported": reported}
 
 
 @pytest.mark.parametrize("zero, clip", [
@@ -85,6 +86,9 @@ def test_an_fp16_step_unscales_and_clips_its_gradients(zero: dict, clip: float) 
         expected = clip if clip > 0 else result["grad_norm"]
         assert clip == 0 or result["grad_norm"] > 10 * clip, result  # the clipping acts
         assert result["moved"] == pytest.approx(expected, rel=1e-3), result
+        # The norm the engine reports (and DeepSpeed's optimizer name for it) is unscaled, before clipping.
+        assert result["reported"]["engine"] == result["reported"]["deepspeed"], result
+        assert result["reported"]["engine"] == pytest.approx(result["grad_norm"], rel=1e-3), result
 
 
 def test_fp16_dynamic_scaling_skips_an_injected_overflow_on_every_rank() -> None:

@@ -128,7 +128,6 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
         self.micro_steps = 0
         self.global_steps = 0
         self._skipped_on_host = 0  # dynamic-scale skips; static-scale ones are counted on the device
-        self._last_grad_norm: torch.Tensor | None = None
         self._last_step_applied = True
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's answer
         self.timers = StepTimers(device, enabled=config.wall_clock_breakdown)
@@ -394,8 +393,7 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
             return
         with self.timers.phase("step"):
             self.coordinator.release_all()
-            stepped, norm = self.optimizer.step()
-            self._last_grad_norm = norm
+            stepped, _ = self.optimizer.step()
             self._last_step_applied = stepped
             # The state a recovering group took from its peer at the commit: what is gathered follows it.
             recovered = self.fault_tolerance is not None and self.fault_tolerance.take_recovered()
@@ -435,7 +433,8 @@ class ZeroEngine(CheckpointMethods, OffloadMethods, DeepSpeedGetters):
     @property
     def last_grad_norm(self) -> float | None:
         """The last step's global gradient norm, unscaled and before clipping (reading it waits for it)."""
-        return None if self._last_grad_norm is None else float(self._last_grad_norm)
+        norm = self.parts.optimizer.grad_norm if self.parts.optimizer is not None else None
+        return None if norm is None else float(norm)
 
     def get_global_grad_norm(self) -> float | None:
         """DeepSpeed's name for `last_grad_norm`."""

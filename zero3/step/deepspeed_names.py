@@ -15,6 +15,13 @@ class DeepSpeedOptimizerNames:
 
     grads: GradShards
     sub_groups: list[SubGroup]
+    grad_norm: torch.Tensor | None
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """DeepSpeed's `_global_grad_norm`: the last step's global gradient norm (unscaled, before clipping);
+        None before the first step. (The engine's `get_global_grad_norm()` says the same.)"""
+        return None if self.grad_norm is None else float(self.grad_norm)
 
     @property
     def grad_partitions_flat_buffer(self) -> torch.Tensor:

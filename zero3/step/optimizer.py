@@ -94,6 +94,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         self.lp_stale = False
         self.lp_write_error: StepIOError | None = None
         self.last_overflow: torch.Tensor | None = None  # whether the last step's gradients were not finite
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm, unscaled, before clipping
 
         self.sub_groups: list[SubGroup] = []
         torch_groups: list[dict[str, Any]] = []
@@ -276,11 +277,16 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
     def step(self) -> tuple[bool, torch.Tensor]:
         """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow (see the Note:
         `stepped` is False only for a dynamic loss scale's skip; other skips are counted in `skipped`).
+        The norm is kept as `grad_norm` (unscaled, before clipping) until the next step.
 
         If any rank fails, every rank raises (see [Note: a step on every rank or on
         none]); a failed disk tier leaves the state as it was before the step and
         keeps the gradients, so the step can be retried (StepIOError(step_applied=False)).
         """
+        stepped, self.grad_norm = self._agreed_step()
+        return stepped, self.grad_norm
+
+    def _agreed_step(self) -> tuple[bool, torch.Tensor]:
         self.before_state_change()
         failure: BaseException | None = None
         work: torch.Tensor | None = None
