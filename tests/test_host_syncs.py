@@ -108,7 +108,7 @@ def test_a_steady_step_reads_no_device_value(world: int, precision: str, clippin
 def test_a_dynamic_loss_scale_reads_one_value_per_step() -> None:
     for result in run_ranks(2, count_step_reads, "fp16-dynamic", 1.0):
         device_reads = {where: n for where, n in result["reads"].items() if where not in CONTROL_READS}
-        assert device_reads == {"optimizer.py:_agreed_step": 1}, device_reads
+        assert device_reads == {"optimizer.py:_unscale_and_clip": 1}, device_reads
 
 
 def nonfinite_static_step(rank: int, world: int) -> dict:

@@ -8,7 +8,7 @@ they all reach:
   (zero3.passes.gather_walk); a rank that raised sets its flag, after still
   walking the pass to its end with the others;
 * the step: its gradient flags, and one flag round after its walk
-  (zero3.step.optimizer's [Note: a step on every rank or on none]);
+  (zero3.step.step_plan's [Note: a step on every rank or on none]);
 * calls between steps (initialize's checks, offload and reload, checkpoint
   loads): one exchange of what each rank saw (`agreed`);
 * a failure in the user's code between the engine's calls (one rank's data,

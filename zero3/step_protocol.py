@@ -4,7 +4,7 @@
 A step is a sequence of collective calls that every rank makes in one order:
 the forward (its walk ends at a marker carrying each rank's failure flag:
 zero3.passes.gather_walk), the backward (likewise), the step (its flag
-rounds: zero3.step.optimizer's [Note: a step on every rank or on none]),
+rounds: zero3.step.step_plan's [Note: a step on every rank or on none]),
 and the calls between steps (offload, reload, saves, GatheredParameters),
 each of which agrees on what every rank saw. One `StepProtocol` per engine
 is where all of it is decided; the parts that reach an agreement point (the

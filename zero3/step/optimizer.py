@@ -28,6 +28,7 @@ from zero3.step.grad_shards import GradShards, Piece
 from zero3.step.masters import MasterSlots
 from zero3.step.replica_vote import ReplicaVote
 from zero3.step.muon_step import MuonDirections
+from zero3.step.step_plan import StepPlan
 from zero3.step.loss_scaler import DynamicLossScaler, LossScaler
 from zero3.step_protocol import StepProtocol
 
@@ -253,27 +254,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         return squared[0], agreed[-1]
 
     # ---- step ------------------------------------------------------------------
-    # [Note: a step on every rank or on none]
-    # Each rank steps its own shards, so a step that lands on some ranks and not
-    # on others leaves every parameter's shards from two different steps. So a
-    # step is agreed twice, on host flags of the gloo control group:
-    # * before anything changes: what can fail without changing state (the
-    #   16-bit repair, the step's working memory, Muon's read-only phase) runs
-    #   first, and its outcome rides on the gradient flags the step agrees
-    #   anyway (`agree_on_gradients`; Muon adds one flag round after its
-    #   exchange). If any rank failed, every rank raises and none has stepped.
-    # * after the walk: one flag round. A disk tier's walk only wrote the next
-    #   generation (zero3.offload.optimizer_tier), so it is committed when every
-    #   rank's walk succeeded and abandoned on every rank otherwise (the step
-    #   counts and 16-bit shards put back): a failing disk on one rank is a
-    #   step applied nowhere. A memory tier steps in place, with nothing left
-    #   that allocates (the working memory is taken before the first
-    #   agreement); if one rank's update still fails, the others have applied
-    #   it: every rank raises, says so, and the engine refuses to train on
-    #   (`diverged`) until a checkpoint is loaded. A failed write of the 16-bit
-    #   shards after a landed step is every rank's StepIOError(step_applied=True).
-    # A rank that failed still joins every collective of the step in order, so
-    # no rank waits on one that left.
+    # ---- the agreed step: its phases and why, in zero3.step.step_plan's [Note: a step on every rank or on none]
     def step(self) -> tuple[bool, torch.Tensor]:
         """Unscale, clip and step. Returns (stepped, grad_norm); skips on overflow (see the Note:
         `stepped` is False only for a dynamic loss scale's skip; other skips are counted in `skipped`).
@@ -287,32 +268,55 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         return stepped, self.grad_norm
 
     def _agreed_step(self) -> tuple[bool, torch.Tensor]:
+        """The step in its phases (the Note above): what can fail without changing state, agreed; the
+        torchft commit; the scale, skip and clipping decided; the walk, agreed, committed or abandoned."""
+        plan = self._prepare_step()
+        self._agree_before_changing(plan)
+        # The fault-tolerant quorum's commit point (zero3.fault_tolerance.replicas' Note): alike on every
+        # rank of the group, before anything changes. A recovering group takes its peer's state in it.
+        if self.replica_step is not None and not self.replica_step.commit():
+            self.dropped = True
+            self.zero_grad()
+            return False, plan.squared.sqrt() / plan.scale
+        if self.replica_step is not None:
+            plan.scale = self.loss_scaler.loss_scale  # a recovery brings the peer's (its gradients are scaled by it)
+        skipped = self._unscale_and_clip(plan)
+        if skipped is not None:
+            return skipped
+        self._walk(plan)
+        self.zero_grad()
+        return True, plan.norm
+
+    def _prepare_step(self) -> StepPlan:
+        """What can fail before the step changes anything: the early step's outcome, the 16-bit repair, the
+        walk's working memory (taken before the ranks agree, so that an out-of-memory is a step no rank
+        applies)."""
         self.before_state_change()
-        failure: BaseException | None = None
-        work: torch.Tensor | None = None
         self.dropped = False
-        repairing = self.lp_stale  # the same on every rank (see repair_lp)
+        plan = StepPlan(repairing=self.lp_stale, scale=self.loss_scaler.loss_scale)  # lp_stale: alike everywhere
         if self.lp_stale:  # the repair below writes the shards from the masters as they are: not speculated
             self.undo_early_steps("the 16-bit shards are rewritten from the masters")
-        early = self.early if self.early is not None and self.early.armed else None
-        if early is not None:
-            failure = early.wait()  # an early step that raised is this rank's failed step
+        plan.early = self.early if self.early is not None and self.early.armed else None
+        if plan.early is not None:
+            plan.failure = plan.early.wait()  # an early step that raised is this rank's failed step
         try:
             self.repair_lp()
-            # The walk's fp32 gradients, for its largest sub-group: taken before the ranks agree, so that an
-            # out-of-memory here is a step no rank applies.
-            work = self.grads.in_place(self.step_device) if self.grads_in_place else self._fp32_grads(self.largest_sub_group, self.step_device)
-        except Exception as error:  # noqa: BLE001 - every rank raises it, below
-            failure = failure or error
-        scale = self.loss_scaler.loss_scale
-        squared, any_failed = self.agree_on_gradients(failed=failure is not None)
+            plan.work = self.grads.in_place(self.step_device) if self.grads_in_place else \
+                self._fp32_grads(self.largest_sub_group, self.step_device)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, in _agree_before_changing
+            plan.failure = plan.failure or error
+        return plan
+
+    def _agree_before_changing(self, plan: StepPlan) -> None:
+        """The first agreement: the gradients' norm and every rank's outcome so far; raises on every rank if
+        any failed, or if a trained parameter got no gradient anywhere (unless that is allowed)."""
+        plan.squared, any_failed = self.agree_on_gradients(failed=plan.failure is not None)
         if any_failed:
-            self.lp_stale = repairing  # kept alike on every rank
+            self.lp_stale = plan.repairing  # kept alike on every rank
             self.undo_early_steps("a rank failed before its step")
             if self.replica_step is not None:
                 self.replica_step.abandon()
-            self.protocol.fail_together("step", failure, NOT_APPLIED)
-        assert work is not None
+            self.protocol.fail_together("step", plan.failure, NOT_APPLIED)
         if not self.ignore_unused_parameters:
             unused = [sp.name for sp in self.params if not self.grads.arrived[sp]]  # agreed: alike everywhere
             if unused:
@@ -325,19 +329,16 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                     "zero_optimization.ignore_unused_parameters is false; the step was applied on no rank "
                     "(set it to true to step only the parameters that have gradients, as torch does)"
                 )
-        # The fault-tolerant quorum's commit point (zero3.fault_tolerance.replicas' Note): alike on every
-        # rank of the group, before anything changes. A recovering group takes its peer's state in it.
-        if self.replica_step is not None and not self.replica_step.commit():
-            self.dropped = True
-            self.zero_grad()
-            return False, squared.sqrt() / scale
-        if self.replica_step is not None:
-            scale = self.loss_scaler.loss_scale  # a recovery brings the peer's (its gradients are scaled by it)
-        scaler_before = self.loss_scaler.state_dict()
-        norm = squared.sqrt() / scale
-        overflow = ~torch.isfinite(squared)
+
+    def _unscale_and_clip(self, plan: StepPlan) -> tuple[bool, torch.Tensor] | None:
+        """The norm, the loss scale's update and the skip on a non-finite gradient, the clipping coefficient
+        (unscaling folded in), and whether the backward's early steps made this step. Returns the step's
+        outcome where it is skipped here, else None."""
+        scale, squared = plan.scale, plan.squared
+        plan.scaler_before = self.loss_scaler.state_dict()
+        norm = plan.norm = squared.sqrt() / scale
+        overflow = plan.overflow = ~torch.isfinite(squared)
         self.last_overflow = overflow  # a device bool: was_step_applied reads it when asked
-        found_inf: torch.Tensor | None = None
         if self.loss_scaler.dynamic:
             # The one host read a step makes: the dynamic scale's next value depends on it.
             overflowed = bool(overflow.item())
@@ -348,7 +349,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         elif self.fused:
             # A non-finite gradient skips the update in the fused kernel itself (masters, moments and
             # step counts unchanged), decided on the device; `skipped` counts it there.
-            found_inf = overflow.to(torch.float32)
+            plan.found_inf = overflow.to(torch.float32)
             self.skipped.add_(overflow)
         elif bool(overflow.item()):
             # Without a fused kernel the skip is decided on the host: one read of the device per step.
@@ -359,37 +360,42 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         # at every step of an overlapped host step, armed or not: the next backward speculates only after a
         # step whose values would have kept it (zero3.step.early_step's Note).
         judged = self.early is not None
-        why_not: str | None = None
-        if judged and found_inf is not None and bool(overflow.item()):
-            why_not = "a gradient is not finite"
+        if judged and plan.found_inf is not None and bool(overflow.item()):
+            plan.why_not = "a gradient is not finite"
         coefficient: torch.Tensor | None = None
         if self.gradient_clipping > 0:
             coefficient = (self.gradient_clipping / (norm + 1e-6)).clamp_(max=1.0)
-            if judged and why_not is None and bool(coefficient != 1.0):
-                why_not = "the gradients are clipped"  # (x * 1 is x: unclipped, the early steps made this step)
+            if judged and plan.why_not is None and bool(coefficient != 1.0):
+                plan.why_not = "the gradients are clipped"  # (x * 1 is x: unclipped, the early steps made this step)
             if scale != 1.0:
                 coefficient.mul_(1.0 / scale)
         elif scale != 1.0:
             coefficient = torch.full((), 1.0 / scale, dtype=torch.float32, device=norm.device)
         if self.early is not None:  # (judged)
-            self.early.values_refused(why_not)
+            self.early.values_refused(plan.why_not)
         # Once, where the step runs: a host step (ZeRO-Offload beside a GPU) waits for the values, as it must.
-        if coefficient is not None:
-            coefficient = coefficient.to(self.step_device)
-        if found_inf is not None:
-            found_inf = found_inf.to(self.step_device)
+        plan.coefficient = coefficient.to(self.step_device) if coefficient is not None else None
+        if plan.found_inf is not None:
+            plan.found_inf = plan.found_inf.to(self.step_device)
+        return None
 
-        def put_back() -> None:
-            """The loss scale and the skip count as before this step (it is not applied after all)."""
-            self.loss_scaler.load_state_dict(scaler_before)
-            if found_inf is not None:
-                self.skipped.sub_(overflow.to(self.skipped.dtype))  # what the fused path added above
+    def _put_back(self, plan: StepPlan) -> None:
+        """The loss scale and the skip count as before this step (it is not applied after all)."""
+        self.loss_scaler.load_state_dict(plan.scaler_before)
+        if plan.found_inf is not None:
+            self.skipped.sub_(plan.overflow.to(self.skipped.dtype))  # what the fused path added
 
+    def _walk(self, plan: StepPlan) -> None:
+        """The update, a sub-group at a time, then the second agreement: committed on every rank, or
+        abandoned on every rank (a transactional tier), or every rank raises and the engine diverged."""
         arrived = self.grads.arrived
         idle = {i for i, sub in enumerate(self.sub_groups) if not any(arrived[piece.sp] for piece in sub.pieces)}
         # The sub-groups the backward stepped early, kept where they made this step's operation (see
         # zero3.step.early_step's Note); else undone, and stepped below with the rest.
-        stepped_early = early.keep_or_undo(why_not) if early is not None else set()
+        stepped_early = plan.early.keep_or_undo(plan.why_not) if plan.early is not None else set()
+        work, coefficient, found_inf = plan.work, plan.coefficient, plan.found_inf
+        assert work is not None
+        failure: BaseException | None = None
         if self.exchange is not None:
             try:
                 assert self.muon is not None
@@ -397,11 +403,11 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                                         coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
-            self.protocol.raise_together("step", failure, NOT_APPLIED, undo=put_back)
+            self.protocol.raise_together("step", failure, NOT_APPLIED, undo=lambda: self._put_back(plan))
         streamed = self.states.transactional
         # The scalars to put back if the walk fails on some rank: only a transactional tier's step can be
         # abandoned; a memory tier's failed walk leaves the engine refusing to train until a checkpoint is
-        # loaded (see the Note), which brings every scalar back.
+        # loaded (the Note), which brings every scalar back.
         before = self.scalar_snapshot() if streamed else None
         # A sub-group's new shards are written as soon as it has stepped (on a GPU they copy while the
         # next one steps), except into a disk file beside masters kept in memory: those masters are
@@ -436,7 +442,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                 self.unbind_views()  # the windows are reused: no view of them may outlive the walk
         any_failed, any_lp_failed = self.protocol.flags([failure is not None, lp_failure is not None])
         if any_failed:
-            self._abandon(before, put_back, streamed)
+            self._abandon(before, lambda: self._put_back(plan), streamed)
             if streamed:
                 self.protocol.fail_together("step", failure, NOT_APPLIED)
             self.diverged = (
@@ -459,8 +465,6 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             )
             peer = self.protocol.peer_failure("step", own)
             self.lp_write_error = own if own is not None else peer  # type: ignore[assignment]
-        self.zero_grad()
-        return True, norm
 
     def join_as_failed(self, failure: BaseException) -> None:
         """This rank failed before its step while the others are in theirs: make this rank's part of
