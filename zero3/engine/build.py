@@ -206,12 +206,12 @@ def build(
     host_pool = HostBufferPool(device)
     trainable = [sp for sps, _ in groups for sp in sps]
     optimizer_state_count = 1 + len(state_layout.elementwise) if state_layout is not None else 0
-    check_free_space(disk_needs(
-        config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
-    ), protocol)
     # Lean memory mode: the units whose 16-bit shards are cast from their masters keep none (zero3.partition.lean).
     lean = lean_units(all_units, set(trainable)) if spec is not None and lean_in_effect(
         zc.lean_memory, compute_dtype, zc.offload_optimizer.device, zc.offload_param.device) else []
+    check_free_space(disk_needs(
+        config, all_units, compute_dtype, sum(sp.shard_numel for sp in trainable), optimizer_state_count,
+    ), protocol)
     layout = lay_out_params(config, [unit for unit in all_units if unit not in lean], compute_dtype, device, disk)
 
     # The reduced gradients (lp_grads): the reducer adds into them, the optimizer steps from them.
