@@ -112,15 +112,6 @@ def test_training_data_comes_back_as_a_loader_over_this_ranks_share() -> None:
         assert result["untouched"]
 
 
-def test_enable_sanity_checks_is_accepted_and_said_to_have_no_effect(caplog: pytest.LogCaptureFixture) -> None:
-    cfg = zero3.load_config({"zero_optimization": {"stage": 3, "enable_sanity_checks": True}})
-    assert cfg.zero_optimization.enable_sanity_checks is True
-    (message,) = [m for m in cfg.ignored_settings() if "enable_sanity_checks" in m]
-    assert "has no effect in zero3" in message
-    with caplog.at_level(logging.WARNING):
-        assert not zero3.load_config({"zero_optimization": {"enable_sanity_checks": False}}).ignored_settings()
-
-
 class ReturnsAWeight(models.MLP):
     """Returns fc3's weight beside the loss: zero3 keeps it gathered until the next pass."""
 
@@ -249,28 +240,45 @@ def test_an_external_parameter_registered_as_in_deepspeed_and_the_whole_model_fo
         assert out["released_after"]
 
 
-def edits_without_a_modifier_rank(rank: int, world: int) -> dict:
+def edits_without_a_modifier_rank(rank: int, world: int, sanity_checks: bool) -> dict:
     from tests.logs import zero3_messages
 
     warnings = zero3_messages()
-    with zero3.Init(config=CONFIG):
+    config = CONFIG | {"zero_optimization": CONFIG["zero_optimization"] | {"enable_sanity_checks": sanity_checks}}
+    with zero3.Init(config=config):
         model = models.MLP()
     before = zero3.safe_get_local_lp_param(model.fc1.weight).clone()
     out: dict = {}
     for editing_rank in (None, 1):  # nobody edits; rank 1 alone edits
         warnings.clear()
-        with zero3.GatheredParameters([model.fc1.weight, model.fc2.weight]):
-            if rank == editing_rank:
-                with torch.no_grad():
-                    model.fc1.weight.add_(1.0)
+        out[f"raised {editing_rank}"] = None
+        try:
+            with zero3.GatheredParameters([model.fc1.weight, model.fc2.weight]):
+                if rank == editing_rank:
+                    with torch.no_grad():
+                        model.fc1.weight.add_(1.0)
+        except RuntimeError as error:
+            out[f"raised {editing_rank}"] = str(error)
         out[editing_rank] = [w for w in warnings if "in-place modification" in w]
     out["shard_unchanged"] = torch.equal(before, zero3.safe_get_local_lp_param(model.fc1.weight))
+    if sanity_checks:  # the same engine's config: its units check too
+        engine = zero3.initialize(model=model, config=config)[0]
+        try:
+            with zero3.GatheredParameters([model.fc1.weight]):
+                if rank == 0:
+                    with torch.no_grad():
+                        model.fc1.weight.mul_(2.0)
+            out["engine raised"] = None
+        except RuntimeError as error:
+            out["engine raised"] = str(error)
+        engine.destroy()
     return out
 
 
 def test_an_in_place_edit_without_a_modifier_rank_is_discarded_with_a_warning_as_in_deepspeed() -> None:
     """DeepSpeed discards it (and raises only under its enable_sanity_checks); zero3 says so, once."""
-    for rank, out in enumerate(run_ranks(2, edits_without_a_modifier_rank)):
+    for rank, out in enumerate(run_ranks(2, edits_without_a_modifier_rank, False)):
+        assert out["raised None"] is None and out["raised 1"] is None
         assert out[None] == []
         if rank == 0:
             (message,) = out[1]
@@ -279,6 +287,17 @@ def test_an_in_place_edit_without_a_modifier_rank_is_discarded_with_a_warning_as
         else:
             assert out[1] == []
         assert out["shard_unchanged"]  # the edit was discarded, as the message says
+
+
+def test_under_enable_sanity_checks_the_edit_raises_on_every_rank_as_in_deepspeed() -> None:
+    """zero_optimization.enable_sanity_checks: DeepSpeed's RuntimeError, on every rank (the editing one and the
+    others), under zero3.Init's config and the engine's; the edit is discarded all the same."""
+    for out in run_ranks(2, edits_without_a_modifier_rank, True):
+        assert out["raised None"] is None and out[None] == []
+        for raised in (out["raised 1"], out["engine raised"]):
+            assert raised is not None and "in-place modification" in raised and "enable_sanity_checks" in raised
+        assert "Linear.weight on rank 1" in out["raised 1"]
+        assert out[1] == [] and out["shard_unchanged"]
 
 
 def accumulation_from_outside(rank: int, world: int) -> dict:

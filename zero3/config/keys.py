@@ -6,7 +6,7 @@ from __future__ import annotations
 # Keys whose "no effect" note ignored_settings() words itself (it depends on the value).
 _NOTED_ELSEWHERE = frozenset({
     "zero_optimization.stage3_max_reuse_distance", "zero_optimization.contiguous_gradients",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.enable_sanity_checks",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 })
 
 # [Note: DeepSpeed's keys in zero3]
@@ -64,7 +64,8 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "no effect", "zero3 issues gathers in one agreed order (the lockstep walk)"),
     "zero_optimization.contiguous_gradients": ("no effect", "gradients always reduce into one flat buffer"),
     "zero_optimization.enable_sanity_checks": (
-        "no effect", "zero3 checks a unit's holds on every release (a release it does not have is an error)"),
+        "implemented", "true: an in-place edit of a parameter inside GatheredParameters without a modifier rank "
+        "raises on every rank, as DeepSpeed's check does (false: it is discarded with one warning)"),
     "zero_optimization.allgather_partitions": ("no effect", "a ZeRO stage 1/2 setting"),
     "zero_optimization.allgather_bucket_size": ("no effect", "a ZeRO stage 1/2 setting"),
     "zero_optimization.use_multi_rank_bucket_allreduce": ("no effect", "a ZeRO stage 1/2 setting"),

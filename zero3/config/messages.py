@@ -60,9 +60,6 @@ def ignored_settings(config: _Settings) -> list[str]:
         note("zero_optimization.stage3_gather_16bit_weights_on_model_save",
              zc.stage3_gather_16bit_weights_on_model_save,
              "save_16bit_model always writes the whole model, gathering one parameter at a time")
-    if "enable_sanity_checks" in zc.model_fields_set and zc.enable_sanity_checks:
-        note("zero_optimization.enable_sanity_checks", True,
-             "zero3 checks a unit's holds on every release (a release it does not have is an error)")
     tiers = (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer))
     for key, tier in tiers:
         if tier.device == "none":

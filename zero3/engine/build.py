@@ -197,6 +197,8 @@ def build(
     parted = partition_model(model, gather, device, compute_dtype, leaves, zc)
     units, persistent_unit = parted.units, parted.persistent_unit
     all_units, sharded_params = parted.all_units, parted.sharded_params
+    for unit in all_units:
+        unit.sanity_checks = zc.enable_sanity_checks
     named = dict(model.named_parameters())  # (the names the plan holds: partitioning kept them)
     groups: ParamGroups = [([sharded(named[name]) for name in names], options)  # type: ignore[misc]
                            for names, options in group_plan]

@@ -175,7 +175,8 @@ class GatheredParameters:
         """Collective whatever happened in the block: if it raised on any rank, every rank raises (the
         failing rank its own exception, the others one naming it) and no rank keeps the modifier's edit;
         else the modifier's values become every rank's shards, or an edit without one is discarded, as
-        DeepSpeed discards it, with one warning (rank 0's) naming what every rank edited."""
+        DeepSpeed discards it, with one warning (rank 0's) naming what every rank edited; under
+        `enable_sanity_checks` every rank raises instead, as DeepSpeed does."""
         if not self.enabled:
             return
         edited: list[str] = []
@@ -202,6 +203,12 @@ class GatheredParameters:
         finally:
             for unit in self.units:
                 unit.release(Hold.PIN)
+        if edited and any(unit.sanity_checks for unit in self.units):  # (the same config on every rank)
+            raise RuntimeError(
+                f"in-place modification of partitioned parameters ({'; '.join(edited)}) inside "
+                "GatheredParameters(modifier_rank=None), refused on every rank under "
+                "zero_optimization.enable_sanity_checks: the edit was discarded. Pass modifier_rank=<the rank "
+                "whose values to keep> to keep it")
         if edited and torch.distributed.get_rank() == 0:
             log.warning("in-place modification of partitioned parameters (%s) inside GatheredParameters("
                         "modifier_rank=None): the edit was discarded on exit, on every rank. Pass modifier_rank=<the "

@@ -206,6 +206,7 @@ class Init:
         # Disabled, the context builds nothing, so a device setting it cannot use is no error.
         self.device = accelerator.resolve_device(device) if enabled else torch.device("cpu")
         self.dtype = dtype or cfg.compute_dtype
+        self.sanity_checks = cfg.zero_optimization.enable_sanity_checks
         self.placeholders: dict[int, ShardedParam] = {}
         self._constructing: set[int] = set()
         self._patched: list[tuple[type, Callable[..., None]]] = []
@@ -269,6 +270,7 @@ class Init:
         for sub in module.modules():
             unit = self.partitioner.partition_module(sub, type(sub).__name__)
             if unit is not None:
+                unit.sanity_checks = self.sanity_checks
                 for sp in unit.params:
                     self.placeholders[sp.placeholder.untyped_storage().data_ptr()] = sp
 

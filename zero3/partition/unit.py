@@ -110,6 +110,9 @@ class GatherUnit:
         self.persistent = persistent
         # A gathered copy some of whose shards changed behind it (a local setter): gathered again at next use.
         self.stale = False
+        # zero_optimization.enable_sanity_checks: an in-place edit inside GatheredParameters without a modifier
+        # rank raises (zero3.partition.gathered), where it is otherwise discarded with a warning.
+        self.sanity_checks = False
         self.shard_numel = sum(sp.shard_numel for sp in params)
         self.numel = sum(sp.numel for sp in params)
         self.state = UnitState.SHARDED
