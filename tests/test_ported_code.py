@@ -537,3 +537,45 @@ def gradients_landed(rank: int, world: int) -> dict:
 def test_allreduce_gradients_lands_a_plain_backward_as_deepspeeds_does() -> None:
     for out in run_ranks(2, gradients_landed):
         assert out == {"same": True, "nonzero": True}
+
+
+def gathered_by_hand(rank: int, world: int) -> dict:
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p0 = torch.nn.Parameter(torch.arange(1.0, 6.0))  # 5 elements: padded at 2 ranks
+            self.p1 = torch.nn.Parameter(torch.arange(1.0, 8.0))
+
+    with zero3.Init(config=CONFIG):
+        module = Holder()
+    params = [module.p0, module.p1]
+    out: dict = {"released_before": [p.numel() for p in params]}
+    params[0].all_gather_coalesced(params).wait()
+    out["gathered"] = [p.detach().clone() for p in params]
+    out["status"] = {p.ds_status for p in params}
+    try:
+        params[1].all_gather()
+        out["twice"] = None
+    except RuntimeError as error:
+        out["twice"] = str(error)
+    with torch.no_grad():
+        params[0].add_(100.0)  # discarded at partition, as in DeepSpeed
+    params[0].partition(params)
+    out["released_after"] = [p.numel() for p in params]
+    out["status_after"] = {p.ds_status for p in params}
+    with zero3.GatheredParameters(params):
+        out["values_after"] = [p.detach().clone() for p in params]
+    return out
+
+
+def test_deepspeeds_param_all_gather_coalesced_and_partition_gather_and_release_by_hand() -> None:
+    """DeepSpeed's `param.all_gather_coalesced(params).wait()` ... `param.partition()` (its
+    stage3_use_all_reduce_for_fetch_params test reads the gathered values so): whole values, exactly."""
+    for out in run_ranks(2, gathered_by_hand):
+        assert out["released_before"] == [0, 0] and out["released_after"] == [0, 0]
+        assert torch.equal(out["gathered"][0], torch.arange(1.0, 6.0))
+        assert torch.equal(out["gathered"][1], torch.arange(1.0, 8.0))
+        assert out["status"] == {zero3.ZeroParamStatus.AVAILABLE}
+        assert out["status_after"] == {zero3.ZeroParamStatus.NOT_AVAILABLE}
+        assert "already gathered" in out["twice"] and "partition()" in out["twice"]
+        assert torch.equal(out["values_after"][0], torch.arange(1.0, 6.0))  # the edit was discarded

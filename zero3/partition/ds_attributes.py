@@ -24,6 +24,13 @@ _IDS = itertools.count()
 _WITH_ATTRIBUTES: dict[type, type] = {}
 
 
+class _Gathered:
+    """What `all_gather_coalesced` returns: DeepSpeed's handle, already complete."""
+
+    def wait(self) -> None:
+        return None
+
+
 class ShardTensor(torch.Tensor):
     """`param.ds_tensor`'s type: the shard's values, whose `.data` assignment writes new values into the
     16-bit shard, as DeepSpeed code sets a partition (`param.ds_tensor.data = values`, same numel). Like
@@ -105,6 +112,51 @@ class DeepSpeedAttributes:
         if slot.buffer.store is not None:
             return ShardTensor.of(slot.read(), record)
         return ShardTensor.of(slot.view(), record)
+
+    def all_gather_coalesced(self, params: list[torch.Tensor] | None = None, safe_mode: bool = False) -> _Gathered:
+        """DeepSpeed's `param.all_gather_coalesced(params)`: `params` (default: this one) gathered whole and
+        kept so until `param.partition()`; collective (every rank gathers the same parameters). Returns a
+        handle whose `wait()` returns at once: the gather has completed. A block of `GatheredParameters`
+        underneath, so edits are discarded at `partition()` as there."""
+        from zero3.partition.gathered import GatheredParameters
+
+        listed = [self] if params is None else list(params)
+        records = [sharded(p) for p in listed]
+        if any(record is None for record in records):
+            raise ValueError("all_gather_coalesced: every parameter must be partitioned by zero3")
+        held = [record.name for record in records if record is not None and record.held_gather is not None]
+        if held:
+            raise RuntimeError(f"all_gather_coalesced: {', '.join(held)} already gathered by an earlier "
+                               "all_gather_coalesced: call param.partition() first")
+        block = GatheredParameters(listed)
+        block.__enter__()
+        for record in records:
+            assert record is not None
+            record.held_gather = block
+        return _Gathered()
+
+    def all_gather(self, param_list: list[torch.Tensor] | None = None, async_op: bool = False) -> _Gathered:
+        """DeepSpeed's `param.all_gather(param_list)`: as `all_gather_coalesced`."""
+        return self.all_gather_coalesced(param_list)
+
+    def partition(self, param_list: list[torch.Tensor] | None = None, has_been_updated: bool = False) -> None:
+        """DeepSpeed's `param.partition(param_list)`: release what `all_gather_coalesced` gathered (the whole
+        block each listed parameter was gathered in); collective as that was. An edit made meanwhile is
+        discarded, as DeepSpeed discards it; `has_been_updated=True` (keep it) is refused: use
+        `GatheredParameters(..., modifier_rank=r)`."""
+        if has_been_updated:
+            raise NotImplementedError("param.partition(has_been_updated=True): write edits back with "
+                                      "GatheredParameters(params, modifier_rank=<the rank whose values to keep>)")
+        listed = [self] if param_list is None else list(param_list)
+        blocks = []
+        for p in listed:
+            record = sharded(p)
+            if record is not None and record.held_gather is not None and record.held_gather not in blocks:
+                blocks.append(record.held_gather)
+        for block in blocks:
+            for sp in block.listed:
+                sp.held_gather = None
+            block.__exit__(None, None, None)
 
     @property
     def ds_persist(self) -> bool:

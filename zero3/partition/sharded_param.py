@@ -54,6 +54,8 @@ class ShardedParam:
         self.unit: Any = None
         self.master_slots: Any = None
         self.grad_owner: Any = None
+        # DeepSpeed's `param.all_gather_coalesced()` block this parameter is gathered by, until `param.partition()`.
+        self.held_gather: Any = None
         # Lean memory mode (zero3.partition.lean): no 16-bit slot; the 16-bit shard is this fp32 master, cast.
         self.lean_master: Slot | None = None
         # Other copies of this shard that a new full value must reach too (an optimizer's fp32
