@@ -60,6 +60,15 @@ def ds_attributes(rank: int, world: int) -> dict:
     except ValueError as error:
         out["wrong_numel"] = str(error)
     out["plain_ops"] = type(weight.ds_tensor + 1) is torch.Tensor
+    import copy
+    import io
+
+    saved = io.BytesIO()
+    torch.save(weight.ds_tensor, saved)  # saved as its values alone (no engine record travels with it)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    out["saved_plain"] = type(loaded) is torch.Tensor and torch.equal(loaded, weight.ds_tensor)
+    out["copied_plain"] = type(copy.deepcopy(weight.ds_tensor)) is torch.Tensor
     engine.destroy()
     out["class_after_destroy"] = type(weight) is torch.nn.Parameter and not hasattr(weight, "ds_numel")
     return out
@@ -77,6 +86,7 @@ def test_parameters_carry_deepspeeds_attributes_and_ds_tensor_data_sets_the_shar
         assert result["ds_tensor"] and result["ds_tensor_is_the_shard"] and result["ds_tensor_numel"]
         assert result["ds_persist"] == {False}  # stage3_param_persistence_threshold: 0
         assert result["set_shard_is_seen"] and result["plain_ops"]
+        assert result["saved_plain"] and result["copied_plain"]
         assert "qkv.weight" in result["wrong_numel"] and str(result["shard_numel"]) in result["wrong_numel"]
     gathered, numel = results[0]["gathered_after_set"], results[0]["shard_numel"]
     expected = torch.cat([torch.full((numel,), 1.0), torch.full((numel,), 2.0)])[: gathered.numel()]

@@ -12,6 +12,7 @@ most) that adds the properties, and it gets its class back when the engine relea
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,12 @@ class ShardTensor(torch.Tensor):
         out = values.as_subclass(ShardTensor)
         out._record = record
         return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # saved and copied as the plain values it shows
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
 
     @property  # type: ignore[override]
     def data(self) -> torch.Tensor:
