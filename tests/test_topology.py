@@ -20,7 +20,7 @@ import zero3
 from tests import models
 from tests.distributed import run_ranks
 from tests.test_divergent import MICRO, config
-from zero3.topology import NodeLayout, TopologyError
+from zero3.topology import NodeLayout, Topology, TopologyError
 
 
 # ---- the layout from the environment (no collectives) ------------------------------------------------
@@ -192,3 +192,40 @@ def test_no_engine_collective_runs_on_the_default_group(tmp_path) -> None:  # ty
     the engine issues names a group of its own (with the gathers on the default group, a model's own
     collective there could pair with another rank's prefetch)."""
     assert run_ranks(2, _record_default_group_uses, str(tmp_path)) == [[], []]
+
+
+def _expert_groups(rank: int, world: int, size: int) -> dict:
+    _as_two_nodes(rank)
+    zero3.init_distributed()
+    topology = Topology.build(torch.device("cpu"), expert_parallel_size=size)
+    default = dist.distributed_c10d._get_default_group()
+    result = {
+        "experts": (topology.experts.shard_size, topology.experts.shard_rank,
+                    dist.get_process_group_ranks(topology.experts.shard_group)),
+        "expert_data": (topology.expert_data.shard_size, topology.expert_data.shard_rank,
+                        dist.get_process_group_ranks(topology.expert_data.shard_group)),
+        "own_groups": all(g is not default for g in (topology.experts.shard_group, topology.expert_data.shard_group)),
+    }
+    topology.close()
+    return result
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_expert_parallel_groups_are_consecutive_ranks_inside_a_node_first(size: int) -> None:
+    """At 4 ranks as 2 nodes of 2: `autoep_size` 2 is one group per node, the expert-data groups across the
+    nodes; 4 spans both nodes, each expert-data group a rank alone."""
+    for rank, r in enumerate(run_ranks(4, _expert_groups, size)):
+        group, place = divmod(rank, size)
+        assert r["experts"] == (size, place, list(range(group * size, (group + 1) * size))), r
+        assert r["expert_data"] == (4 // size, group, list(range(place, 4, size))), r
+        assert r["own_groups"]
+
+
+def test_an_expert_parallel_size_that_does_not_fit_the_nodes_is_refused() -> None:
+    from zero3.shard_mesh import expert_group_size
+
+    with pytest.raises(TopologyError, match=r"autoep_size=3 does not divide the world size 4"):
+        expert_group_size(3, 4, 2)
+    with pytest.raises(TopologyError, match=r"autoep_size=4 neither divides a node's 6 ranks nor spans whole nodes"):
+        expert_group_size(4, 12, 6)
+    assert expert_group_size(4, 8, 2) == 4 and expert_group_size(2, 8, 4) == 2

@@ -130,6 +130,20 @@ def hpz_group_size(hpz_partition_size: int, shard_size: int, ranks_per_node: int
     return size
 
 
+def expert_group_size(autoep_size: int, world_size: int, ranks_per_node: int) -> int:
+    """The ranks of an expert-parallel group (`expert_parallel.autoep_size`; 1: off): consecutive ranks, inside
+    one node or over whole nodes; a `TopologyError` naming the numbers where the size cannot be laid out so."""
+    key = "expert_parallel.autoep_size"
+    if autoep_size < 1:
+        raise TopologyError(f"{key}={autoep_size}: expected a positive number of ranks")
+    if world_size % autoep_size:
+        raise TopologyError(f"{key}={autoep_size} does not divide the world size {world_size}")
+    if ranks_per_node % autoep_size and autoep_size % ranks_per_node:
+        raise TopologyError(f"{key}={autoep_size} neither divides a node's {ranks_per_node} ranks nor spans "
+                            "whole nodes: an expert-parallel group lies inside one node, or over whole nodes")
+    return autoep_size
+
+
 def qgz_inside_size(shard_size: int, ranks_per_node: int) -> int:
     """The ranks of a shard group on one node, for qgZ's all-to-all inside the node: the node's ranks where
     shard groups span nodes, the shard group where it lies inside one; a `TopologyError` where neither

@@ -58,6 +58,11 @@ order or timing differs between ranks get a group of their own:
   shard group cut by node, the ranks of one node, and the ranks at the same
   place on each node. A gradient reduction is an all-to-all inside the
   node, then one across (zero3.partition.collectives' `QuantizedGradReduce`).
+* `experts`, `expert_data`: expert parallelism's (`expert_parallel.autoep_size`:
+  N), N consecutive ranks (inside a node, or over whole nodes) that share a
+  layer's experts out and send each other tokens (zero3.moe.dispatch), and
+  the ranks at the same place in each such group, which shard an expert's
+  state and reduce its gradients.
 * `host_shard_group`, `host_replicate_group`: gloo over the shard and the
   replicate group, for host tensors beside an accelerator (Muon's all-to-all
   and the replicas' gradient sum under ZeRO-Offload); the groups above where
@@ -79,11 +84,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zero3 import accelerator
-from zero3.shard_mesh import ShardMesh, TopologyError, hpz_group_size, mics_group_size, qgz_inside_size
+from zero3.shard_mesh import (
+    ShardMesh, TopologyError, expert_group_size, hpz_group_size, mics_group_size, qgz_inside_size,
+)
 
 REPLICATE, SHARD = "replicate", "shard"  # the mesh's dimension names, FSDP2's HSDP order
 HPZ_OUTER, HPZ = "hpz_groups", "hpz"  # hpZ's secondary mesh: (groups, ranks in a group)
 QGZ_ACROSS, QGZ_INSIDE = "qgz_across", "qgz_inside"  # qgZ's mesh over a shard group: (nodes, ranks of a node)
+EXPERT_DATA, EXPERT = "expert_data", "expert"  # expert parallelism's mesh: (expert-parallel groups, ranks in one)
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,11 @@ class Topology:
     # qgZ's two groups over the shard group ([Note: the engine's groups]); None without zero_quantized_gradients.
     grads_inside: ShardMesh | None = None
     grads_across: ShardMesh | None = None
+    # Expert parallelism's groups: `experts`, the ranks that share a layer's experts out (each owns a whole
+    # share); `expert_data`, the ranks at the same place in each such group, over which an expert's state is
+    # sharded and its gradients reduced. None without expert parallelism.
+    experts: ShardMesh | None = None
+    expert_data: ShardMesh | None = None
     _made: list[dist.ProcessGroup] = field(default_factory=list)  # destroyed by `close`
     _checkpoint_group: dist.ProcessGroup | None = None
 
@@ -204,19 +217,21 @@ class Topology:
     @classmethod
     def build(cls, device: torch.device, timeout: datetime.timedelta | None = None,
               mesh: DeviceMesh | None = None, mics_shard_size: int = -1, hpz_partition_size: int = 1,
-              quantized_gradients: bool = False) -> Topology:
+              quantized_gradients: bool = False, expert_parallel_size: int = 1) -> Topology:
         """The topology of the whole job (collective: every rank calls it at the same point).
 
         `mesh`: the user's DeviceMesh: 1-D shards over its one dimension, 2-D is (replicate, shard).
         `mics_shard_size` (the config's): shard groups of that many consecutive ranks, replicas across
         them (-1: off). Without either, every rank shards (plain ZeRO-3), on groups made here.
         `hpz_partition_size` (the config's `zero_hpz_partition_size`): hpZ's secondary groups of that many
-        consecutive ranks (1 or 0: off). `quantized_gradients` (`zero_quantized_gradients`): qgZ's groups."""
+        consecutive ranks (1 or 0: off). `quantized_gradients` (`zero_quantized_gradients`): qgZ's groups.
+        `expert_parallel_size` (`expert_parallel.autoep_size`; 1: off): expert parallelism's groups."""
         world_size, rank = dist.get_world_size(), dist.get_rank()
         if world_size == 1:
             _shape(mesh, mics_shard_size, world_size)  # a bad mesh or size is an error at any world size
             nodes = NodeLayout.agreed([NodeLayout.own_view(rank, world_size)], 0)
             hpz_group_size(hpz_partition_size, 1, 1)
+            expert_group_size(expert_parallel_size, 1, 1)
             return cls(rank, 1, nodes, None, ShardMesh.geometry(1), None, None, None, None, None, timeout)
         made: list[dist.ProcessGroup] = []
         control = dist.new_group(backend="gloo", timeout=timeout)  # before anything can fail on one rank only
@@ -227,6 +242,7 @@ class Topology:
             try:
                 own = NodeLayout.own_view(rank, world_size)
                 shape = _shape(mesh, mics_shard_size, world_size)
+                expert_group_size(expert_parallel_size, world_size, own[0])
                 failure = None
             except TopologyError as error:
                 failure = str(error)
@@ -290,12 +306,25 @@ class Topology:
                               shard_rank=grads_mesh.get_local_rank(dim), shard_group=grads_mesh.get_group(dim))
                     for dim in (QGZ_INSIDE, QGZ_ACROSS)
                 )
+            experts = expert_data = None
+            if expert_parallel_size > 1:
+                # (groups, ranks in one): each row consecutive ranks, so a group lies inside a node first.
+                expert_mesh = init_device_mesh(
+                    device.type, (world_size // expert_parallel_size, expert_parallel_size),
+                    mesh_dim_names=(EXPERT_DATA, EXPERT), backend_override={EXPERT_DATA: override, EXPERT: override},
+                )
+                made.extend(expert_mesh.get_all_groups())
+                experts, expert_data = (
+                    ShardMesh(shard_size=expert_mesh.size(expert_mesh.mesh_dim_names.index(dim)),
+                              shard_rank=expert_mesh.get_local_rank(dim), shard_group=expert_mesh.get_group(dim))
+                    for dim in (EXPERT, EXPERT_DATA)
+                )
         except BaseException:
             for group in made:
                 dist.destroy_process_group(group)
             raise
         return cls(rank, world_size, nodes, device_mesh, shard, reduce_group, control, job, host_shard_group,
-                   host_replicate_group, timeout, secondary, grads_inside, grads_across, made)
+                   host_replicate_group, timeout, secondary, grads_inside, grads_across, experts, expert_data, made)
 
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group over the whole job for an async save's writes (made on first use: every rank asks

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from zero3.config.base import ConfigError
+from zero3.shard_mesh import TopologyError, expert_group_size
 
 DISPATCH = "ep_dispatch_experts"  # the plan's style for a module holding a layer's experts
 GROUPED = "grouped_gemm"  # ... and for the expert weights in it
@@ -85,11 +86,10 @@ def check_autoep_size(layers: list[ExpertLayer], autoep_size: int, world_size: i
     if uneven:
         raise ConfigError(f"{key}={autoep_size} does not divide the number of experts of every layer "
                           f"({', '.join(map(str, uneven))}): each expert-parallel rank owns a whole share")
-    if world_size % autoep_size:
-        raise ConfigError(f"{key}={autoep_size} does not divide the world size {world_size}")
-    if local_world_size % autoep_size and autoep_size % local_world_size:
-        raise ConfigError(f"{key}={autoep_size} neither divides a node's {local_world_size} ranks nor spans "
-                          "whole nodes: an expert-parallel group lies inside one node, or over whole nodes")
+    try:
+        expert_group_size(autoep_size, world_size, local_world_size)
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _pattern(key: str) -> re.Pattern[str]:
