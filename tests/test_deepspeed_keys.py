@@ -1,8 +1,8 @@
 """Every key of DeepSpeed's ZeRO config, under both its names, and DeepSpeed's top-level keys: each is
 implemented, translated, accepted with no effect (one info line), or refused unless off, as
-zero3.config.DEEPSPEED_KEYS says (issue 25, point 1). docs/configuration.md's key tables are
+zero3.config.DEEPSPEED_KEYS says. docs/configuration.md's key tables are
 zero3.config.config_reference()'s output, which covers every key of the config's models, zero3's own
-included, with the models' defaults (issue 40, point 2); `python -m tests.test_deepspeed_keys` rewrites them."""
+included, with the models' defaults; `python -m tests.test_deepspeed_keys` rewrites them."""
 
 from __future__ import annotations
 

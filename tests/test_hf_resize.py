@@ -1,4 +1,4 @@
-"""zero3.integrations.hf.resize_token_embeddings (issue 28) on a partitioned Llama against transformers'
+"""zero3.integrations.hf.resize_token_embeddings on a partitioned Llama against transformers'
 own `resize_token_embeddings` on the plain model: the same rows (kept and new), the same vocabulary size
 in the config, tying kept, and an engine that trains the resized model as the plain model trains."""
 

@@ -1,4 +1,4 @@
-"""zero3.integrations.hf.Zero3Trainer (issue 28) against the plain `transformers.Trainer`.
+"""zero3.integrations.hf.Zero3Trainer against the plain `transformers.Trainer`.
 
 A tiny LlamaForCausalLM built from a config (no download), an in-memory
 dataset read in order, accumulation 2, clipping, warmup then cosine, the

@@ -159,7 +159,7 @@ def test_deepspeed_keyword_for_the_config() -> None:
         zero3.Init(config=CFG, config_dict_or_path=CFG)
 
 
-# ---- DeepSpeed's other ways in (issue 25, point 5) ----------------------------------------------------------
+# ---- DeepSpeed's other ways in ----------------------------------------------------------
 class Pair(nn.Module):
     def __init__(self) -> None:
         super().__init__()

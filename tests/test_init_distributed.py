@@ -1,4 +1,4 @@
-"""`zero3.init_distributed` (issue 39, point 3) and the engine's collective timeout (point 4).
+"""`zero3.init_distributed` and the engine's collective timeout.
 
 Restarts: torchrun's agent keeps one TCPStore for all of a job's attempts, so a restarted attempt
 found the dead attempt's process-group keys there and gloo's connectFullMesh went to the dead

@@ -1,4 +1,4 @@
-"""Leaf modules (issue 25, point 4): DeepSpeed's z3_leaf family and the `leaf_module` config. A leaf's
+"""Leaf modules: DeepSpeed's z3_leaf family and the `leaf_module` config. A leaf's
 parameters, its descendants' included, are one gather unit held by the leaf's forward; ranks that run
 different experts inside it train like one process."""
 

@@ -1,4 +1,4 @@
-"""Lean memory mode (`zero_optimization.lean_memory`, issue 43 item 1): the trained parameters keep no 16-bit
+"""Lean memory mode (`zero_optimization.lean_memory`): the trained parameters keep no 16-bit
 shards; each gather casts them from the fp32 masters. Against the default layout, in bf16 at 1 and 2 ranks:
 training is bit-identical with every optimizer class the suite covers (losses and masters), and so are the
 16-bit values every reader sees (the accessors, `ds_tensor`, `iter_full_params`, GatheredParameters' edits),

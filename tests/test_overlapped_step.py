@@ -1,4 +1,4 @@
-"""ZeRO-Offload's overlapped host step (`offload_optimizer.super_offload`, issue 43 item 3): sub-groups step on a
+"""ZeRO-Offload's overlapped host step (`offload_optimizer.super_offload`): sub-groups step on a
 host thread as their gradients land during the backward, and the step keeps or undoes that work so that
 training is bit-identical to the step after the backward (zero3.step.early_step's Note). At 2 ranks, in
 bf16 and fp32, against the same engine without it: losses, masters and moments equal after several steps

@@ -1,4 +1,4 @@
-"""DeepSpeed's `safe_*` family on zero3 (issue 25, point 2), at 2 ranks against plain PyTorch: the full
+"""DeepSpeed's `safe_*` family on zero3, at 2 ranks against plain PyTorch: the full
 getters gather what a single process holds, the setters write through every copy so that the next
 forward and the next step see the value, frozen parameters answer None, parked states still read."""
 

@@ -1,4 +1,4 @@
-"""The step protocol's agreements scoped to one replica group (issue 42's seam for a fault-tolerance manager):
+"""The step protocol's agreements scoped to one replica group (the seam for a fault-tolerance manager):
 4 ranks as 2 replica groups of 2, each group's protocol made with `Scope.of(group)`. A failure in one group is
 raised on that group's ranks alone, naming the failing rank by its job rank, while the other group agrees that
 nothing failed and goes on; the job-wide protocol still carries one rank's failure to all four. Every collective

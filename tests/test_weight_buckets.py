@@ -1,5 +1,5 @@
-"""Whole parameters in buckets (`engine.iter_weight_buckets`, `iter_full_params(bucket_bytes=)`; issue 44,
-item 1): bit-identical to the per-parameter stream for a resident engine, a parked one, parameters on disk
+"""Whole parameters in buckets (`engine.iter_weight_buckets`, `iter_full_params(bucket_bytes=)`):
+bit-identical to the per-parameter stream for a resident engine, a parked one, parameters on disk
 and lean memory mode, in the stored dtype and in fp32; one all-gather per bucket, the next one issued before
 a bucket is handed out; a bucket the consumer holds keeps its values while the rest are gathered; on a world
 of one a resident bucket is a view of the engine's own buffer."""

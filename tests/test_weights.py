@@ -1,4 +1,4 @@
-"""Weights to a generator (`zero3.weights`, issue 44 item 2): a receiver process on this machine gets every weight
+"""Weights to a generator (`zero3.weights`): a receiver process on this machine gets every weight
 bit-identical to `iter_full_params` over shared memory, at 1 and 2 training ranks, fp32 and bf16, from a
 resident engine, a parked one and one with its parameters on disk, twice (training in between); a module in
 the same process gets them through `load_into`, tied weights once, and a name that does not fit is refused on
