@@ -315,10 +315,3 @@ def state_home(optimizer: ZeroOptimizer | None, state: OffloadStateType) -> torc
 def state_buffers(lp_buffers: list[FlatBuffer], optimizer: ZeroOptimizer | None, state: OffloadStateType) -> list[FlatBuffer]:
     """The flat buffers that hold a state now (the engine's one list, zero3.engine_state)."""
     return buffers_of(state_list(lp_buffers, optimizer), state)
-    if state is OffloadStateType.hp_params:  # none where the masters are the shards (lp_params holds them)
-        return [optimizer.hp_params] if optimizer.hp_params is not None else []
-    if state is OffloadStateType.lp_grads:
-        return optimizer.grads.buffers()
-    if state is OffloadStateType.optim_states:
-        return list(optimizer.moments.values())
-    return []
