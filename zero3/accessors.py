@@ -125,8 +125,8 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     if sp.lp_slot is not None:  # (none in lean memory mode: the master is the shard's home)
         sp.lp_slot.write(shard)
     unit = unit_of(sp)
-    if unit is not None and unit.state is not UnitState.SHARDED:
-        unit.stale = True  # the others' shards of the gathered copy change too: gathered again at next use
+    if unit is not None:
+        unit.shards_changed()
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:

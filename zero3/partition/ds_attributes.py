@@ -19,7 +19,7 @@ from torch import nn
 
 from zero3.enums import ParamStatus
 from zero3.partition.sharded_param import ShardedParam, sharded
-from zero3.partition.unit import UnitState, unit_of
+from zero3.partition.unit import unit_of
 
 _IDS = itertools.count()
 _WITH_ATTRIBUTES: dict[type, type] = {}
@@ -71,8 +71,8 @@ class ShardTensor(torch.Tensor):
         slot.write(values.detach().reshape(-1))
         torch.Tensor.data.__set__(self, slot.read() if slot.buffer.store is not None else slot.view())
         unit = unit_of(record)
-        if unit is not None and unit.state is not UnitState.SHARDED:
-            unit.stale = True  # gathered again at its next use, on every rank (as safe_set_local_fp32_param's)
+        if unit is not None:
+            unit.shards_changed()
 
 
 class DeepSpeedAttributes:

@@ -166,6 +166,12 @@ class GatherUnit:
         if self._driver is not None:
             self._driver.observe(self, old, new)
 
+    def shards_changed(self) -> None:
+        """Some of its shards were written behind a gathered copy (a local setter): gathered again at the next
+        use, on every rank (the next forward agrees on it)."""
+        if self.state is not UnitState.SHARDED:
+            self.stale = True
+
     def attach(self, driver: UnitDriver) -> None:
         """Let a runtime drive the unit's gathers (told of each state change, asked to fetch)."""
         if self._driver is not None and self._driver is not driver:
