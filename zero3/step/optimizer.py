@@ -271,21 +271,22 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
         """The step in its phases (the Note above): what can fail without changing state, agreed; the
         torchft commit; the scale, skip and clipping decided; the walk, agreed, committed or abandoned."""
         plan = self._prepare_step()
-        self._agree_before_changing(plan)
+        squared = self._agree_before_changing(plan)
         # The fault-tolerant quorum's commit point (zero3.fault_tolerance.replicas' Note): alike on every
         # rank of the group, before anything changes. A recovering group takes its peer's state in it.
         if self.replica_step is not None and not self.replica_step.commit():
             self.dropped = True
             self.zero_grad()
-            return False, plan.squared.sqrt() / plan.scale
+            return False, squared.sqrt() / plan.scale
         if self.replica_step is not None:
             plan.scale = self.loss_scaler.loss_scale  # a recovery brings the peer's (its gradients are scaled by it)
-        skipped = self._unscale_and_clip(plan)
+        norm = squared.sqrt() / plan.scale
+        skipped = self._unscale_and_clip(plan, squared, norm)
         if skipped is not None:
             return skipped
         self._walk(plan)
         self.zero_grad()
-        return True, plan.norm
+        return True, norm
 
     def _prepare_step(self) -> StepPlan:
         """What can fail before the step changes anything: the early step's outcome, the 16-bit repair, the
@@ -307,10 +308,10 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             plan.failure = plan.failure or error
         return plan
 
-    def _agree_before_changing(self, plan: StepPlan) -> None:
-        """The first agreement: the gradients' norm and every rank's outcome so far; raises on every rank if
-        any failed, or if a trained parameter got no gradient anywhere (unless that is allowed)."""
-        plan.squared, any_failed = self.agree_on_gradients(failed=plan.failure is not None)
+    def _agree_before_changing(self, plan: StepPlan) -> torch.Tensor:
+        """The first agreement: the gradients' squared norm (returned) and every rank's outcome so far; raises
+        on every rank if any failed, or if a trained parameter got no gradient anywhere (unless allowed)."""
+        squared, any_failed = self.agree_on_gradients(failed=plan.failure is not None)
         if any_failed:
             self.lp_stale = plan.repairing  # kept alike on every rank
             self.undo_early_steps("a rank failed before its step")
@@ -329,15 +330,16 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                     "zero_optimization.ignore_unused_parameters is false; the step was applied on no rank "
                     "(set it to true to step only the parameters that have gradients, as torch does)"
                 )
+        return squared
 
-    def _unscale_and_clip(self, plan: StepPlan) -> tuple[bool, torch.Tensor] | None:
-        """The norm, the loss scale's update and the skip on a non-finite gradient, the clipping coefficient
-        (unscaling folded in), and whether the backward's early steps made this step. Returns the step's
-        outcome where it is skipped here, else None."""
-        scale, squared = plan.scale, plan.squared
+    def _unscale_and_clip(self, plan: StepPlan, squared: torch.Tensor,
+                          norm: torch.Tensor) -> tuple[bool, torch.Tensor] | None:
+        """The loss scale's update and the skip on a non-finite gradient, the clipping coefficient (unscaling
+        folded in), and whether the backward's early steps made this step. Returns the step's outcome where
+        it is skipped here, else None."""
+        scale = plan.scale
         plan.scaler_before = self.loss_scaler.state_dict()
-        norm = plan.norm = squared.sqrt() / scale
-        overflow = plan.overflow = ~torch.isfinite(squared)
+        overflow = ~torch.isfinite(squared)
         self.last_overflow = overflow  # a device bool: was_step_applied reads it when asked
         if self.loss_scaler.dynamic:
             # The one host read a step makes: the dynamic scale's next value depends on it.
@@ -351,6 +353,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             # step counts unchanged), decided on the device; `skipped` counts it there.
             plan.found_inf = overflow.to(torch.float32)
             self.skipped.add_(overflow)
+            plan.skip_counted = overflow
         elif bool(overflow.item()):
             # Without a fused kernel the skip is decided on the host: one read of the device per step.
             self.skipped.add_(1)
@@ -379,12 +382,6 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
             plan.found_inf = plan.found_inf.to(self.step_device)
         return None
 
-    def _put_back(self, plan: StepPlan) -> None:
-        """The loss scale and the skip count as before this step (it is not applied after all)."""
-        self.loss_scaler.load_state_dict(plan.scaler_before)
-        if plan.found_inf is not None:
-            self.skipped.sub_(plan.overflow.to(self.skipped.dtype))  # what the fused path added
-
     def _walk(self, plan: StepPlan) -> None:
         """The update, a sub-group at a time, then the second agreement: committed on every rank, or
         abandoned on every rank (a transactional tier), or every rank raises and the engine diverged."""
@@ -403,7 +400,8 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                                         coefficient, idle, work)
             except Exception as error:  # noqa: BLE001 - every rank raises it, below
                 failure = error
-            self.protocol.raise_together("step", failure, NOT_APPLIED, undo=lambda: self._put_back(plan))
+            self.protocol.raise_together("step", failure, NOT_APPLIED,
+                                         undo=lambda: plan.put_back(self.loss_scaler, self.skipped))
         streamed = self.states.transactional
         # The scalars to put back if the walk fails on some rank: only a transactional tier's step can be
         # abandoned; a memory tier's failed walk leaves the engine refusing to train until a checkpoint is
@@ -442,7 +440,7 @@ class ZeroOptimizer(DeepSpeedOptimizerNames):
                 self.unbind_views()  # the windows are reused: no view of them may outlive the walk
         any_failed, any_lp_failed = self.protocol.flags([failure is not None, lp_failure is not None])
         if any_failed:
-            self._abandon(before, lambda: self._put_back(plan), streamed)
+            self._abandon(before, lambda: plan.put_back(self.loss_scaler, self.skipped), streamed)
             if streamed:
                 self.protocol.fail_together("step", failure, NOT_APPLIED)
             self.diverged = (

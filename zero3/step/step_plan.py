@@ -29,7 +29,7 @@ The phases, in `ZeroOptimizer._agreed_step`'s order:
    (`agree_on_gradients`); every rank raises if any failed or a parameter got no gradient anywhere;
 3. torchft's commit (zero3.fault_tolerance.replica_step), where replica groups are on: a group that drops
    the step zeroes its gradients; a recovering one takes its peer's state here;
-4. `_unscale_and_clip`: the norm, the dynamic scale's update or the skip of a non-finite step, the clipping
+4. the norm, then `_unscale_and_clip`: the dynamic scale's update or the skip of a non-finite step, the clipping
    coefficient with the unscaling folded in, and whether the backward's early steps made this step;
 5. `_walk`: Muon's exchange (agreed), the sub-groups stepped through the optimizer-state tier, the new
    16-bit shards written, then the second agreement: committed, abandoned, or diverged.
@@ -39,7 +39,7 @@ LR schedule, the counters); docs/architecture.md draws the whole flow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,10 +57,15 @@ class StepPlan:
     early: EarlySteps | None = None  # the backward's early steps, where armed
     failure: BaseException | None = None  # this rank's, before the first agreement
     work: torch.Tensor | None = None  # the walk's fp32 gradients (or the gradients themselves, in place)
-    squared: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # the agreed squared norm
-    norm: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # unscaled, before clipping
-    overflow: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.bool))
     found_inf: torch.Tensor | None = None  # the fused kernel's skip flag, on the step's device
+    skip_counted: torch.Tensor | None = None  # what the fused path added to the skip count, to take back
     coefficient: torch.Tensor | None = None  # clipping and unscaling in one factor (None: 1)
     why_not: str | None = None  # why the early steps are not this step's operation, if they are not
-    scaler_before: dict[str, Any] = field(default_factory=dict)  # the loss scale to put back
+    scaler_before: dict[str, Any] | None = None  # the loss scale to put back
+
+    def put_back(self, loss_scaler: Any, skipped: torch.Tensor) -> None:
+        """The loss scale and the skip count as before this step (it is not applied after all)."""
+        assert self.scaler_before is not None
+        loss_scaler.load_state_dict(self.scaler_before)
+        if self.skip_counted is not None:
+            skipped.sub_(self.skip_counted.to(skipped.dtype))  # what the fused path added
