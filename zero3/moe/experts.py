@@ -58,7 +58,8 @@ def find_experts(model: nn.Module) -> list[ExpertLayer]:
     experts."""
     plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
     modules = [_pattern(key) for key, style in plan.items() if style == DISPATCH]
-    grouped = [key.rsplit(".", 1) for key, style in plan.items() if style == GROUPED]
+    grouped = [(_pattern(owner), weight) for owner, weight in
+               (key.rsplit(".", 1) for key, style in plan.items() if style == GROUPED)]
     prefix = _base_prefix(model)
     found: list[ExpertLayer] = []
     for name, module in model.named_modules():
@@ -66,7 +67,7 @@ def find_experts(model: nn.Module) -> list[ExpertLayer]:
         relative = name[len(prefix):] if name.startswith(prefix) else None
         if weights is None and relative is not None and any(pattern.fullmatch(relative) for pattern in modules):
             weights = tuple(weight for owner, weight in grouped
-                            if _pattern(owner).fullmatch(relative) and isinstance(getattr(module, weight, None), nn.Parameter))
+                            if owner.fullmatch(relative) and isinstance(getattr(module, weight, None), nn.Parameter))
         if weights:
             found.append(_layer(name, module, weights))
     return found
@@ -75,21 +76,18 @@ def find_experts(model: nn.Module) -> list[ExpertLayer]:
 def check_autoep_size(layers: list[ExpertLayer], autoep_size: int, world_size: int, local_world_size: int) -> None:
     """Refuse an expert-parallel size that cannot lay the experts out: a ConfigError naming the key and the
     numbers (nothing is changed; every rank reaches the same verdict)."""
-    key = "expert_parallel.autoep_size"
-    if autoep_size < 1:
-        raise ConfigError(f"{key}={autoep_size}: expected a positive number of ranks")
+    try:
+        expert_group_size(autoep_size, world_size, local_world_size)
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
     if not layers:
         raise ConfigError(
             "expert_parallel is enabled, but the model has no expert layers: none is named by a Hugging Face "
             "expert-parallel plan (config.base_model_ep_plan) or marked with zero3.moe.mark_experts")
     uneven = sorted({layer.num_experts for layer in layers if layer.num_experts % autoep_size})
     if uneven:
-        raise ConfigError(f"{key}={autoep_size} does not divide the number of experts of every layer "
-                          f"({', '.join(map(str, uneven))}): each expert-parallel rank owns a whole share")
-    try:
-        expert_group_size(autoep_size, world_size, local_world_size)
-    except TopologyError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(f"expert_parallel.autoep_size={autoep_size} does not divide the number of experts of "
+                          f"every layer ({', '.join(map(str, uneven))}): each expert-parallel rank owns a whole share")
 
 
 def _pattern(key: str) -> re.Pattern[str]:
