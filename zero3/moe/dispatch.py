@@ -18,6 +18,7 @@ another that skipped.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,10 +43,14 @@ def local_experts(layer: ExpertLayer, ep_rank: int, ep_size: int) -> nn.Module:
     return local
 
 
-def dispatch(local: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dispatch(local: LocalExperts, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
              experts_per_rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The experts' output for `hidden` ([tokens, hidden]), computed by the ranks of `group` that own each
-    token's top-k experts (`local`: this rank's, from `local_experts`). Collective over `group`."""
+    token's top-k experts (`local`: this rank's experts' forward, `local(hidden, index, weights)` on local expert
+    indices, as `local_experts` gives it). Collective over `group`."""
     size = dist.get_world_size(group)
     k = top_k_index.shape[-1]
     expert = top_k_index.reshape(-1)
