@@ -132,3 +132,51 @@ def test_experts_without_values_are_refused_with_their_layer_named() -> None:
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts': gate_up_proj holds no values"):
         share_out_experts(layers, 0, 2)
     assert type(layers[0].module).__name__ == "Qwen3MoeExperts"  # nothing changed
+
+
+def partitioned_rank(rank: int, world: int, ep_size: int, quantized: bool) -> dict:
+    from zero3.comm import Communicator
+    from zero3.config import ZeroConfig
+    from zero3.partition.collectives import ParamGather, gather_full_fp32
+    from zero3.partition.partitioner import partition_model
+    from zero3.partition.sharded_param import sharded
+    from zero3.shard_mesh import ShardMesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = moe_model(seed=rank)
+    mesh = init_device_mesh("cpu", (world // ep_size, ep_size), mesh_dim_names=("expert_data", "expert"))
+    share_out_experts(find_experts(model), mesh.get_local_rank("expert"), ep_size, mesh.get_group("expert"))
+    comm = Communicator()
+    expert_data = ShardMesh(shard_size=mesh.size(0), shard_rank=mesh.get_local_rank("expert_data"),
+                            shard_group=mesh.get_group("expert_data"))
+    zc = ZeroConfig(stage3_param_persistence_threshold=0, zero_quantized_weights=quantized)
+    parted = partition_model(model, ParamGather(ShardMesh.of_group(), comm), torch.device("cpu"), torch.float32,
+                             {}, zc, ParamGather(expert_data, comm, own_group=True))
+    units = {unit.label: (unit.gather.mesh.shard_size, [sp.name for sp in unit.params]) for unit in parted.all_units}
+    whole = {name: gather_full_fp32(sharded(p), sharded(p).unit.gather, torch.device("cpu"))
+             for name, p in model.named_parameters()}
+    shard_numel = {name: sharded(p).shard_numel for name, p in model.named_parameters()}
+    return {"units": units, "whole": whole, "shard_numel": shard_numel,
+            "quantized": sorted({type(unit.gather.codec).__name__ for unit in parted.units})}
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_shared_out_experts_are_sharded_over_their_expert_data_group(quantized: bool) -> None:
+    world, ep_size = 4, 2
+    results = run_ranks(world, partitioned_rank, ep_size, quantized)
+    reference = dict(moe_model(seed=0).named_parameters())
+    count = EXPERTS // ep_size
+    for rank, result in enumerate(results):
+        ep_rank = rank % ep_size
+        for layer in range(2):
+            label = f"model.layers.{layer}.mlp.experts"
+            assert result["units"][label] == (world // ep_size, [f"{label}.gate_up_proj", f"{label}.down_proj"])
+        for name, value in result["whole"].items():
+            expected = reference[name].detach()
+            if name.endswith(("gate_up_proj", "down_proj")):
+                expected = expected[ep_rank * count:(ep_rank + 1) * count]  # the share, rank 0's values
+                assert result["shard_numel"][name] == -(-expected.numel() // (world // ep_size))
+            else:
+                assert result["shard_numel"][name] == -(-expected.numel() // world)
+            torch.testing.assert_close(value, expected, rtol=0, atol=0)
+        assert result["quantized"] == (["QuantizedShards"] if quantized else ["NoneType"])

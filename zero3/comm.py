@@ -73,13 +73,15 @@ class Communicator:
             self.topology.close()
             self.topology = None
 
-    def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """output[r*n:(r+1)*n] = rank r's `shard` (n = shard.numel())."""
-        if self._size == 1:
+    def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                        group: dist.ProcessGroup | None = None) -> dist.Work | None:
+        """output[r*n:(r+1)*n] = rank r's `shard` (n = shard.numel()), on the shard group, or on `group` (the
+        expert-data group an expert's shards lie on: zero3.topology's [Note: the engine's groups])."""
+        if group is None and self._size == 1:
             output.copy_(shard)
             return None
         out, inp = self._hand_over(output, shard)
-        return self._started(_all_gather_flat(out, inp, group=self.group, async_op=True), async_op)
+        return self._started(_all_gather_flat(out, inp, group=group or self.group, async_op=True), async_op)
 
     def all_gather_secondary(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output[r*n:(r+1)*n] = secondary rank r's `shard`, on hpZ's node-local secondary group."""

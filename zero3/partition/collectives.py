@@ -94,10 +94,14 @@ class PendingGather:
 class ParamGather:
     """The parameter all-gather of one mesh: copy-in, collective, copy-out (see the Note)."""
 
-    def __init__(self, mesh: ShardMesh, comm: Communicator | None, codec: ShardCodec | None = None) -> None:
+    def __init__(self, mesh: ShardMesh, comm: Communicator | None, codec: ShardCodec | None = None,
+                 own_group: bool = False) -> None:
         self.mesh = mesh
         self.comm = comm  # None: a layout that never communicates (zero3 estimate)
         self.codec = codec
+        # True: the mesh's shard group is not the communicator's (an expert's shards, on its expert-data group).
+        self.own_group = own_group
+        self._group = mesh.shard_group if own_group else None
 
     def start(self, shard: torch.Tensor, output: torch.Tensor | None = None) -> PendingGather:
         """Issue the gather of every rank's `shard` into `output` (made when None).
@@ -117,13 +121,13 @@ class ParamGather:
             if not fresh:  # an in-place gather hands the collective its own chunk of the output
                 own = output.narrow(0, self.mesh.shard_rank * shard.numel(), shard.numel())
                 source = own if own.data_ptr() == shard.data_ptr() else shard
-            work = self.comm.all_gather_flat(output, source, async_op=True)
+            work = self.comm.all_gather_flat(output, source, async_op=True, group=self._group)
             return PendingGather(output, work, inputs=[shard])
         encoded = torch.empty(self.codec.encoded_numel(shard.numel()), device=shard.device,
                               dtype=self.codec.encoded_dtype(shard.dtype))
         self.codec.encode(shard, encoded)
         wire = torch.empty(size * encoded.numel(), dtype=encoded.dtype, device=encoded.device)
-        work = self.comm.all_gather_flat(wire, encoded, async_op=True)
+        work = self.comm.all_gather_flat(wire, encoded, async_op=True, group=self._group)
         return PendingGather(output, work, self.codec, wire, shard.numel(), [shard, encoded])
 
     def _wire(self, shard_numel: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
@@ -147,7 +151,7 @@ class ParamGather:
         if size == 1:
             return PendingGather(output, None)
         assert self.comm is not None, "a layout-only mesh cannot gather"
-        return PendingGather(output, self.comm.all_gather_flat(output, shard, async_op=True))
+        return PendingGather(output, self.comm.all_gather_flat(output, shard, async_op=True, group=self._group))
 
     def gather(self, shard: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor:
         """`start` and `wait`: the rank-major shards."""
@@ -155,7 +159,7 @@ class ParamGather:
 
     def exact(self) -> ParamGather:
         """The same gather without a codec: for values that must arrive bit-exact (fp32 masters)."""
-        return self if self.codec is None else ParamGather(self.mesh, self.comm)
+        return self if self.codec is None else ParamGather(self.mesh, self.comm, own_group=self.own_group)
 
     def copy_out(self, gathered: torch.Tensor, shard_numels: list[int], out: torch.Tensor | None = None
                  ) -> torch.Tensor:

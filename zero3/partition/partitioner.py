@@ -19,6 +19,7 @@ from torch import nn
 from zero3.accelerator import untouched_zeros
 from zero3.comm import Communicator
 from zero3.config import ZeroConfig
+from zero3.moe.expert_parallel import expert_share
 from zero3.partition import ds_attributes, param_dict
 from zero3.partition.collectives import ParamGather, gather_full_fp32
 from zero3.partition.external import external_parameters
@@ -48,17 +49,19 @@ class PartitionedModel:
 
 def partition_model(
     model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype,
-    leaves: dict[nn.Module, nn.Module], zc: ZeroConfig,
+    leaves: dict[nn.Module, nn.Module], zc: ZeroConfig, expert_gather: ParamGather | None = None,
 ) -> PartitionedModel:
     """The build's partition stage (collective): what zero3.Init did not partition (or partitioned over
     another shard group) sharded on the engine's group, buffers moved, every parameter named; then the
     units, with `leaves` (zero3.partition.leaf_modules' `mark_leaves`) gathered whole, and qwZ's quantized
-    gathers where the config asks for them."""
-    _partition(model, gather, device, dtype)
+    gathers where the config asks for them. Shared-out experts (zero3.moe.expert_parallel) are sharded over
+    `expert_gather`'s mesh, each module's in a unit of their own."""
+    _partition(model, gather, device, dtype, expert_gather)
     units, module_units, persistent_unit = build_units(
-        model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold, leaves
+        model, gather, zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold, leaves,
+        expert_gather,
     )
-    _quantize_gathers(units, gather, zc.zero_quantized_weights, zc.zero_quantized_nontrainable_weights)
+    _quantize_gathers(units, zc.zero_quantized_weights, zc.zero_quantized_nontrainable_weights)
     return PartitionedModel(units, module_units, persistent_unit)
 
 
@@ -69,8 +72,10 @@ class Partitioner:
     DeepSpeed does, so ranks seeded differently still hold one model.
     """
 
-    def __init__(self, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, gather: ParamGather, device: torch.device, dtype: torch.dtype,
+                 expert_gather: ParamGather | None = None) -> None:
         self.gather = gather
+        self.expert_gather = expert_gather  # an expert weight's (zero3.moe.expert_parallel): its expert-data mesh
         self.device = device
         self.dtype = dtype
 
@@ -78,12 +83,22 @@ class Partitioner:
         """`module`'s own parameters that are not partitioned yet, sharded into one unit (None where there are
         none); its reads of a partitioned parameter are reported from now on (zero3.partition.param_dict)."""
         fresh = [(name, p) for name, p in module._parameters.items() if p is not None and sharded(p) is None]
-        unit = self._shard(module, label, fresh) if fresh else None
+        experts = [(name, p) for name, p in fresh if expert_share(p) is not None]
+        dense = [(name, p) for name, p in fresh if expert_share(p) is None]
+        unit = self._shard(module, label, dense, self.gather) if dense else None
+        if experts:
+            if self.expert_gather is None:
+                raise ValueError(f"{label or type(module).__name__}: its experts were shared out "
+                                 "(zero3.moe.share_out_experts), but this layout has no expert-data mesh")
+            # Every rank already holds rank 0's values of its share: nothing to broadcast.
+            self._shard(module, label, experts, self.expert_gather)
         param_dict.install(module)
         return unit
 
-    def _shard(self, module: nn.Module, label: str, fresh: list[tuple[str, nn.Parameter]]) -> GatherUnit:
-        values = self._broadcast_values([p for _, p in fresh])
+    def _shard(self, module: nn.Module, label: str, fresh: list[tuple[str, nn.Parameter]],
+               gather: ParamGather) -> GatherUnit:
+        agreed = gather is self.expert_gather
+        values = self._local_values([p for _, p in fresh]) if agreed else self._broadcast_values([p for _, p in fresh])
         # A parameter on the meta device cannot take real storage in place (its tensor type differs): it
         # is replaced, before anyone holds it, by one on the engine device (built this moment: skip_init),
         # as large as the module's other parameters are here for a moment.
@@ -95,12 +110,12 @@ class Partitioner:
                 module._parameters[name] = real
                 fresh[index] = (name, real)
         sps = [
-            ShardedParam(p, f"{label}.{name}" if label else name, self.gather.mesh, self.dtype, self.device)
+            ShardedParam(p, f"{label}.{name}" if label else name, gather.mesh, self.dtype, self.device)
             for name, p in fresh
         ]
         for sp in sps:
             ds_attributes.wear(sp)
-        unit = GatherUnit(sps, self.gather, label or type(module).__name__)
+        unit = GatherUnit(sps, gather, label or type(module).__name__)
         # Values to come (a load writes them) are, in host memory, zeros no one has written; else every
         # element is written below (each shard, its padding too), with no fill first.
         untouched = all(full is None for full in values) and self.device.type == "cpu"
@@ -117,6 +132,10 @@ class Partitioner:
                 sp.hp_seed = sp.shard_of(full) if full is not None else torch.zeros(sp.shard_numel, device=self.device)
             sp.set_released()
         return unit
+
+    def _local_values(self, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+        """`params`' own fp32 values on the engine device (values every rank already agreed on)."""
+        return [p.detach().to(self.device, torch.float32) for p in params]
 
     def _broadcast_values(self, params: list[nn.Parameter]) -> list[torch.Tensor | None]:
         """Rank 0's fp32 values of `params`, moved to the engine device. A parameter on the meta device
@@ -142,17 +161,19 @@ class Partitioner:
 
 def build_units(
     model: nn.Module, gather: ParamGather, threshold: int, model_threshold: int = sys.maxsize,
-    leaves: dict[nn.Module, nn.Module] | None = None,
+    leaves: dict[nn.Module, nn.Module] | None = None, expert_gather: ParamGather | None = None,
 ) -> tuple[list[GatherUnit], dict[nn.Module, list[GatherUnit]], GatherUnit | None]:
     """One unit per module (the parameters it owns first), or per leaf module (its descendants' too:
     `leaves`, zero3.partition.leaf_modules' `leaf_of` map; None: no leaves), one for
     every parameter of at most `threshold` elements (kept whole: the persistent unit) while the
     persistent ones total at most `model_threshold` elements (DeepSpeed's rule, in parameter order),
-    and each module's units to gather."""
+    and each module's units to gather. A module's shared-out expert weights are a unit of their own on
+    `expert_gather` (never persistent, never in a leaf's unit: they lie on another mesh)."""
     leaves = leaves or {}
     seen: set[int] = set()
     # (label, its parameters) in module order; a leaf's list also collects its descendants'.
     groups: list[tuple[str, list[ShardedParam]]] = []
+    expert_groups: list[tuple[str, list[ShardedParam]]] = []
     leaf_group: dict[nn.Module, list[ShardedParam]] = {}
     persistent: list[ShardedParam] = []
     persistent_numel = 0
@@ -162,6 +183,7 @@ def build_units(
             leaf_group[leaf] = []
             groups.append((name or type(module).__name__, leaf_group[leaf]))
         own = leaf_group[leaf] if leaf is not None else []
+        experts: list[ShardedParam] = []
         for param in module._parameters.values():
             if param is None or id(param) in seen:
                 continue
@@ -169,14 +191,21 @@ def build_units(
             sp = sharded(param)
             assert sp is not None
             sp.leaf = leaf is not None
-            if sp.numel <= threshold and persistent_numel + sp.numel <= model_threshold:
+            if expert_share(param) is not None:
+                experts.append(sp)
+            elif sp.numel <= threshold and persistent_numel + sp.numel <= model_threshold:
                 persistent.append(sp)
                 persistent_numel += sp.numel
             else:
                 own.append(sp)
         if leaf is None and own:
             groups.append((name or type(module).__name__, own))
+        if experts:
+            expert_groups.append((name or type(module).__name__, experts))
     units = [GatherUnit(params, gather, label) for label, params in groups if params]
+    if expert_groups:
+        assert expert_gather is not None, "shared-out experts need the expert-data mesh's gather"
+        units += [GatherUnit(params, expert_gather, label) for label, params in expert_groups]
     persistent_unit = None
     if persistent:
         persistent_unit = GatherUnit(persistent, gather, "<persistent>", persistent=True)
@@ -199,11 +228,12 @@ def build_units(
     return units, module_units, persistent_unit
 
 
-def _partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype) -> None:
+def _partition(model: nn.Module, gather: ParamGather, device: torch.device, dtype: torch.dtype,
+               expert_gather: ParamGather | None = None) -> None:
     """Partition what zero3.Init did not, move buffers, and name every parameter. A parameter zero3.Init (or
     zero3.MiCS_Init) partitioned over another number of ranks than the engine's shard group (MiCS, a mesh)
     is gathered whole and partitioned again, one module at a time (so no more than a module is whole)."""
-    partitioner = Partitioner(gather, device, dtype)
+    partitioner = Partitioner(gather, device, dtype, expert_gather)
     for name, module in model.named_modules():
         _unpartition_other_layout(module, gather, device)
         partitioner.partition_module(module, name)
@@ -225,7 +255,8 @@ def _unpartition_other_layout(module: nn.Module, gather: ParamGather, device: to
     """`module`'s own parameters that zero3.Init sharded over another shard group than the engine's, made
     whole again (collective, over the group they were sharded on, in module order on every rank)."""
     pending = [(param, sp) for param in module._parameters.values()
-               if param is not None and (sp := sharded(param)) is not None and sp.mesh.shard_size != gather.mesh.shard_size]
+               if param is not None and (sp := sharded(param)) is not None and expert_share(param) is None
+               and sp.mesh.shard_size != gather.mesh.shard_size]
     if not pending:
         return
     fulls = [gather_full_fp32(sp, ParamGather(sp.mesh, Communicator()), device) for _, sp in pending]
@@ -238,14 +269,17 @@ def _unpartition_other_layout(module: nn.Module, gather: ParamGather, device: to
             param.data = full
 
 
-def _quantize_gathers(units: list[GatherUnit], gather: ParamGather, weights: bool, nontrainable: bool) -> None:
+def _quantize_gathers(units: list[GatherUnit], weights: bool, nontrainable: bool) -> None:
     """qwZ: the units' all-gathers carry int8 blocks (zero3.partition.quantize), every unit's with
     `zero_quantized_weights`, only frozen units' with `zero_quantized_nontrainable_weights`. The persistent
     unit, gathered once and kept, and every path that keeps what it gathers (the engine's own `gather`)
     stay exact."""
-    if not (weights or nontrainable) or not gather.mesh.sharded:
+    if not (weights or nontrainable):
         return
-    quantized = ParamGather(gather.mesh, gather.comm, QuantizedShards())
+    quantized: dict[int, ParamGather] = {}  # one quantized gather per mesh (the dense one, the experts')
     for unit in units:
-        if weights or not any(sp.param.requires_grad for sp in unit.params):
-            unit.gather = quantized
+        gather = unit.gather
+        if gather.mesh.sharded and (weights or not any(sp.param.requires_grad for sp in unit.params)):
+            if id(gather) not in quantized:
+                quantized[id(gather)] = ParamGather(gather.mesh, gather.comm, QuantizedShards(), gather.own_group)
+            unit.gather = quantized[id(gather)]
