@@ -137,7 +137,9 @@ def test_experts_without_values_are_refused_with_their_layer_named() -> None:
 def partitioned_rank(rank: int, world: int, ep_size: int, quantized: bool) -> dict:
     from zero3.comm import Communicator
     from zero3.config import ZeroConfig
-    from zero3.partition.collectives import ParamGather, gather_full_fp32
+    from zero3.partition.collectives import GradReduce, ParamGather, gather_full_fp32
+    from zero3.passes.grad_reducer import GradientReducer
+    from zero3.step.grad_shards import GradShards
     from zero3.partition.partitioner import partition_model
     from zero3.partition.sharded_param import sharded
     from zero3.shard_mesh import ShardMesh
@@ -156,8 +158,25 @@ def partitioned_rank(rank: int, world: int, ep_size: int, quantized: bool) -> di
     whole = {name: gather_full_fp32(sharded(p), sharded(p).unit.gather, torch.device("cpu"))
              for name, p in model.named_parameters()}
     shard_numel = {name: sharded(p).shard_numel for name, p in model.named_parameters()}
-    return {"units": units, "whole": whole, "shard_numel": shard_numel,
+    # Every rank hands the reducer its own gradient of each parameter (rank + 1 times a pattern) in one pass.
+    sps = parted.sharded_params
+    grads = GradShards(sps, torch.float32, torch.device("cpu"))
+    reducer = GradientReducer(GradReduce(ShardMesh.of_group(), comm), sps, torch.float32, torch.device("cpu"),
+                              bucket_numel=64, overlap=True, grads=grads,
+                              expert_reduce=GradReduce(expert_data, comm, own_group=True))
+    reducer.begin()
+    for sp in sps:
+        reducer.add(sp, gradient_of(sp.name, sp.shape, rank))
+    reducer.finish()
+    reduced = {sp.name: (sp.shard_range(), grads.read(sp).clone()) for sp in sps}
+    reducer.close()
+    return {"units": units, "whole": whole, "shard_numel": shard_numel, "reduced": reduced,
             "quantized": sorted({type(unit.gather.codec).__name__ for unit in parted.units})}
+
+
+def gradient_of(name: str, shape: torch.Size, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=generator) * (rank + 1)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -180,3 +199,11 @@ def test_shared_out_experts_are_sharded_over_their_expert_data_group(quantized: 
                 assert result["shard_numel"][name] == -(-expected.numel() // world)
             torch.testing.assert_close(value, expected, rtol=0, atol=0)
         assert result["quantized"] == (["QuantizedShards"] if quantized else ["NoneType"])
+        # Gradients: the mean over every rank's; an expert's sums only the ranks holding the same share.
+        holders = [other for other in range(world) if other % ep_size == ep_rank]
+        for name, ((start, end), got) in result["reduced"].items():
+            expert = name.endswith(("gate_up_proj", "down_proj"))
+            shape = result["whole"][name].shape
+            summed = sum(gradient_of(name, shape, other) for other in (holders if expert else range(world)))
+            torch.testing.assert_close(got.reshape(-1)[: end - start], (summed / world).reshape(-1)[start:end],
+                                       rtol=1e-6, atol=1e-6)

@@ -81,7 +81,7 @@ class Communicator:
             output.copy_(shard)
             return None
         out, inp = self._hand_over(output, shard)
-        return self._started(_all_gather_flat(out, inp, group=group or self.group, async_op=True), async_op)
+        return self._started(_all_gather_flat(out, inp, group=group if group is not None else self.group, async_op=True), async_op)
 
     def all_gather_secondary(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """output[r*n:(r+1)*n] = secondary rank r's `shard`, on hpZ's node-local secondary group."""
@@ -100,16 +100,18 @@ class Communicator:
         out, inp = self._hand_over(output, sent)
         return self._started(dist.all_to_all_single(out, inp, group=group, async_op=True), True)
 
-    def reduce_scatter_flat(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group.
+    def reduce_scatter_flat(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
+                            group: dist.ProcessGroup | None = None) -> dist.Work | None:
+        """output = sum over ranks of full[rank*n:(rank+1)*n] (n = output.numel()), on the reduce group, or on
+        `group` (an expert's expert-data group).
 
         `output` may be this rank's own chunk of `full` (in place)."""
-        if self._size == 1:
+        if group is None and self._size == 1:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full[: output.numel()])
             return None
         out, inp = self._hand_over(output, full)
-        work = _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
+        work = _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=group if group is not None else self.reduce_group, async_op=True)
         return self._started(work, async_op)
 
     def all_gather_control(self, values: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:

@@ -208,9 +208,11 @@ class GradReduce:
     replicas, the reduced shards are summed across them once per step, not here: see
     `Communicator.all_reduce_replicas` (zero3.step.optimizer's `agree_on_gradients`)."""
 
-    def __init__(self, mesh: ShardMesh, comm: Communicator | None) -> None:
+    def __init__(self, mesh: ShardMesh, comm: Communicator | None, own_group: bool = False) -> None:
         self.mesh = mesh
         self.comm = comm
+        # True: the mesh's shard group is not the communicator's (experts' gradients, on their expert-data group).
+        self._group = mesh.shard_group if own_group else None
 
     def own_chunk(self, full: torch.Tensor, shard_numel: int) -> torch.Tensor:
         """This rank's chunk of a rank-major flat tensor (where its reduced shard lands in place)."""
@@ -220,7 +222,9 @@ class GradReduce:
         """Issue output = sum over the shard group of each rank's chunk of `full` (`output` may be this
         rank's own chunk); None when there is nothing to wait for (a shard group of one)."""
         assert self.comm is not None, "a layout-only mesh cannot reduce"
-        return self.comm.reduce_scatter_flat(output, full, async_op=True)
+        if self._group is not None and self.mesh.shard_size == 1:
+            return None  # a group of one: this rank's chunk already is the sum
+        return self.comm.reduce_scatter_flat(output, full, async_op=True, group=self._group)
 
     def close(self) -> None:
         """Let go of any helper thread (the engine is being destroyed): a plain reduction has none;

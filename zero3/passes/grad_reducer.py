@@ -103,6 +103,11 @@ class _Bucket:
     params: list[ShardedParam]
     padded_numel: int
     shard_numel: int
+    reduce: GradReduce  # the dense mesh's, or the experts' (their expert-data group)
+
+    @property
+    def ranks(self) -> int:
+        return self.reduce.mesh.shard_size
 
 
 @dataclass
@@ -140,12 +145,16 @@ class GradientReducer:
         predivide_factor: float = 1.0,
         prescale: bool = False,
         grads: GradShards | None = None,
+        expert_reduce: GradReduce | None = None,
     ) -> None:
         world = reduce.mesh.shard_size
         total = sum(sp.padded_numel for sp in params)
         largest = max((sp.padded_numel for sp in params), default=0)
         self.capacity = bucket_capacity(total, largest, bucket_numel, world)
         self.reduce = reduce
+        # Shared-out experts' gradients are reduced over their expert-data group only (zero3.moe.expert_parallel):
+        # their buckets hold nothing else. The mean is still over every rank (post_scale).
+        self.expert_reduce = expert_reduce
         self.grads = grads  # where landed shards are added (None: nothing is trained)
         self.world = world
         self.dtype = comm_dtype
@@ -193,19 +202,28 @@ class GradientReducer:
         self.on_landed: Callable[[list[ShardedParam]], None] | None = None
         self.on_late_round: Callable[[], None] | None = None
 
+    def _reduce_of(self, sp: ShardedParam) -> GradReduce:
+        expert = self.expert_reduce
+        return expert if expert is not None and sp.mesh is expert.mesh else self.reduce
+
     def _cut(self, params: list[ShardedParam]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         current: list[ShardedParam] = []
         size = 0
         for sp in params:
-            if current and size + sp.padded_numel > self.capacity:
-                buckets.append(_Bucket(current, size, size // self.world))
+            reduce = self._reduce_of(sp)
+            if current and (size + sp.padded_numel > self.capacity or reduce is not self._reduce_of(current[0])):
+                buckets.append(self._bucket(current, size))
                 current, size = [], 0
             current.append(sp)
             size += sp.padded_numel
         if current:
-            buckets.append(_Bucket(current, size, size // self.world))
+            buckets.append(self._bucket(current, size))
         return buckets
+
+    def _bucket(self, params: list[ShardedParam], size: int) -> _Bucket:
+        reduce = self._reduce_of(params[0])
+        return _Bucket(params, size, size // reduce.mesh.shard_size, reduce)
 
     # ---- scratch --------------------------------------------------------------
     @property
@@ -387,7 +405,7 @@ class GradientReducer:
     def _param_view(self, j: int, k: int, storage: torch.Tensor) -> torch.Tensor:
         """Parameter k's place in bucket j: [world, its shard numel], one row per rank's chunk."""
         bucket = self.buckets[j]
-        full = storage.narrow(0, 0, bucket.padded_numel).view(self.world, bucket.shard_numel)
+        full = storage.narrow(0, 0, bucket.padded_numel).view(bucket.ranks, bucket.shard_numel)
         return full.narrow(1, self._offsets[j][k], bucket.params[k].shard_numel)
 
     def _place(self, j: int, k: int, grad: torch.Tensor, may_block: bool = False) -> None:
@@ -437,11 +455,11 @@ class GradientReducer:
         slot = self._storage[j][1]  # type: ignore[index]
         self._storage[j] = None
         full = storage.narrow(0, 0, bucket.padded_numel)
-        output = self.reduce.own_chunk(full, bucket.shard_numel)  # reduced in place
+        output = bucket.reduce.own_chunk(full, bucket.shard_numel)  # reduced in place
         factor = self.pre_scale * self._pass_scale
         if factor != 1.0:
             full.mul_(factor)
-        work = self.reduce.start(output, full)
+        work = bucket.reduce.start(output, full)
         reduction = _Reduction(bucket, work, output, slot, self._watch(work))
         self._inflight.append(reduction)
         if slot is not None:
@@ -543,3 +561,5 @@ class GradientReducer:
             self._waiter.shutdown(wait=False, cancel_futures=True)
             self._waiter = None
         self.reduce.close()
+        if self.expert_reduce is not None:
+            self.expert_reduce.close()
