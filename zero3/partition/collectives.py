@@ -121,14 +121,20 @@ class ParamGather:
             if not fresh:  # an in-place gather hands the collective its own chunk of the output
                 own = output.narrow(0, self.mesh.shard_rank * shard.numel(), shard.numel())
                 source = own if own.data_ptr() == shard.data_ptr() else shard
-            work = self.comm.all_gather_flat(output, source, async_op=True, group=self._group)
+            work = self._all_gather(output, source)
             return PendingGather(output, work, inputs=[shard])
         encoded = torch.empty(self.codec.encoded_numel(shard.numel()), device=shard.device,
                               dtype=self.codec.encoded_dtype(shard.dtype))
         self.codec.encode(shard, encoded)
         wire = torch.empty(size * encoded.numel(), dtype=encoded.dtype, device=encoded.device)
-        work = self.comm.all_gather_flat(wire, encoded, async_op=True, group=self._group)
+        work = self._all_gather(wire, encoded)
         return PendingGather(output, work, self.codec, wire, shard.numel(), [shard, encoded])
+
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> dist.Work | None:
+        assert self.comm is not None
+        if self._group is None:
+            return self.comm.all_gather_flat(output, shard, async_op=True)
+        return self.comm.all_gather_flat(output, shard, async_op=True, group=self._group)
 
     def _wire(self, shard_numel: int, dtype: torch.dtype) -> tuple[int, torch.dtype]:
         """Elements and dtype of one rank's part on the wire (the codec's encoding, if any)."""
@@ -151,7 +157,7 @@ class ParamGather:
         if size == 1:
             return PendingGather(output, None)
         assert self.comm is not None, "a layout-only mesh cannot gather"
-        return PendingGather(output, self.comm.all_gather_flat(output, shard, async_op=True, group=self._group))
+        return PendingGather(output, self._all_gather(output, shard))
 
     def gather(self, shard: torch.Tensor, output: torch.Tensor | None = None) -> torch.Tensor:
         """`start` and `wait`: the rank-major shards."""
@@ -224,6 +230,8 @@ class GradReduce:
         assert self.comm is not None, "a layout-only mesh cannot reduce"
         if self._group is not None and self.mesh.shard_size == 1:
             return None  # a group of one: this rank's chunk already is the sum
+        if self._group is None:
+            return self.comm.reduce_scatter_flat(output, full, async_op=True)
         return self.comm.reduce_scatter_flat(output, full, async_op=True, group=self._group)
 
     def close(self) -> None:
