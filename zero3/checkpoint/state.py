@@ -58,8 +58,8 @@ FORMAT = 1
 
 
 def _chunks(sp: ShardedParam, slot: Slot, dtype: torch.dtype) -> RangeChunks:
-    start, end = sp.shard_range()
-    shape = tuple(sp.shape)
+    start, end = sp.whole_range()  # an expert share's shard, placed in the whole [E, ...] tensor
+    shape = tuple(sp.whole_shape)
     buffer = slot.buffer
     if buffer.store is None:
         return RangeChunks(shape, dtype, start, end, values=slot.view()[: end - start], home=slot)
@@ -218,7 +218,7 @@ def _engine_state(engine: CheckpointedEngine, client_state: Any, rank_states: li
             "state_names": list(optimizer.state_names),
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         },
-        "params": {sp.name: list(sp.shape) for sp in engine.sharded_params},
+        "params": {sp.name: list(sp.whole_shape) for sp in engine.sharded_params},
         "buffers": list(persistent_buffers(engine.module)),
         "client_state": client_state,
     }

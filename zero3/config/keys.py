@@ -127,6 +127,15 @@ DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "memory_breakdown": ("no effect", "engine.state_report() and engine.model_state_bytes() say it"),
     "dump_state": ("no effect", "print(engine.state_report())"),
     "amp": ("off only", "enabled false; use bf16 or fp16 (NVIDIA apex AMP is not offered)"),
+    "expert_parallel": (
+        "implemented", "expert parallelism (DeepSpeed AutoEP's keys): each MoE layer's experts shared out over "
+        "groups of `autoep_size` ranks, tokens sent to their experts' owners ([mixture of experts](moe.md))"),
+    "expert_parallel.enabled": ("implemented", "share the experts out"),
+    "expert_parallel.autoep_size": (
+        "implemented", "ranks per expert-parallel group, inside a node or over whole nodes; it divides every "
+        "layer's expert count"),
+    "expert_parallel.preset_model": (
+        "no effect", "not needed: the experts are found from the model's own expert-parallel plan"),
 }
 
 

@@ -11,6 +11,7 @@ from zero3.config import messages
 from zero3.config.base import _KeyedError, _Model, _never_if_infinite, _none_as_empty
 from zero3.config.batch import BatchSizes, resolve_batch_sizes
 from zero3.config.checkpoint import CheckpointConfig
+from zero3.config.expert_parallel import ExpertParallelConfig
 from zero3.config.fault_tolerance import FaultToleranceConfig
 from zero3.config.optimizer import OptimizerConfig
 from zero3.config.precision import _DTYPES, _DtypeName, BF16Config, DataTypesConfig, FP16Config
@@ -55,6 +56,7 @@ class Zero3Config(_Model):
     activation_checkpointing: dict[str, Any] | None = None
     checkpoint: Annotated[CheckpointConfig, BeforeValidator(_none_as_empty)] = CheckpointConfig()
     fault_tolerance: Annotated[FaultToleranceConfig, BeforeValidator(_none_as_empty)] = FaultToleranceConfig()
+    expert_parallel: Annotated[ExpertParallelConfig, BeforeValidator(_none_as_empty)] = ExpertParallelConfig()
     comms_logger: dict[str, Any] | None = None
     flops_profiler: dict[str, Any] | None = None
     tensorboard: dict[str, Any] | None = None
@@ -92,6 +94,29 @@ class Zero3Config(_Model):
             raise _KeyedError(("fault_tolerance.enabled", "zero_optimization.offload_optimizer.super_offload"),
                               "super_offload steps the optimizer during the backward, before the replicas' "
                               "gradient average and the quorum's commit: use one or the other", (True, True))
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_with(self) -> Zero3Config:
+        """Expert parallelism beside what lays the experts out so far: the dense part's replicas and
+        secondary shards, the parameter tiers and torchft are not laid out for expert shares yet."""
+        if self.expert_parallel.size == 1:
+            return self
+        zc = self.zero_optimization
+        refused = [
+            ("zero_optimization.mics_shard_size", zc.mics_shard_size, zc.mics_shard_size != -1),
+            ("zero_optimization.zero_hpz_partition_size", zc.zero_hpz_partition_size, zc.zero_hpz_partition_size > 1),
+            ("zero_optimization.offload_param.device", str(zc.offload_param.device),
+             str(zc.offload_param.device) != "none"),
+            ("zero_optimization.offload_optimizer.device", str(zc.offload_optimizer.device),
+             str(zc.offload_optimizer.device) != "none"),
+            ("fault_tolerance.enabled", True, self.fault_tolerance.enabled),
+        ]
+        for key, value, set_ in refused:
+            if set_:
+                raise _KeyedError(("expert_parallel.autoep_size", key),
+                                  f"expert parallelism does not lay its expert shares out with {key} yet: "
+                                  "remove one of the two", (self.expert_parallel.autoep_size, value))
         return self
 
     @property

@@ -28,6 +28,8 @@ from zero3.comm import Communicator
 from zero3.config import Zero3Config
 from zero3.engine_state import buffers_of, bytes_by_state, state_list
 from zero3.enums import OffloadDevice, OffloadStateType
+from zero3.moe import expert_parallel
+from zero3.moe.experts import check_autoep_size, find_experts
 from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
@@ -191,10 +193,11 @@ def build(
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
     state_layout = probe(spec, step_device(config, device)) if spec is not None else None
+    expert_gather = share_out_experts(model, config, comm)  # before anything reads the expert weights
     group_plan = plan_groups(model, model_parameters, spec) if spec is not None else []
     leaf = zc.leaf_module
     leaves = mark_leaves(model, leaf.classes, leaf.names, leaf.name_suffixes, zc.stage3_module_granularity_threshold)
-    parted = partition_model(model, gather, device, compute_dtype, leaves, zc)
+    parted = partition_model(model, gather, device, compute_dtype, leaves, zc, expert_gather)
     units, persistent_unit = parted.units, parted.persistent_unit
     all_units, sharded_params = parted.all_units, parted.sharded_params
     for unit in all_units:
@@ -229,6 +232,7 @@ def build(
     reducer = GradientReducer(
         grad_reduce(gather.mesh, comm), trainable, config.communication_dtype, device,
         zc.reduce_bucket_size, zc.overlap_comm, config.gradient_predivide_factor, config.prescale_gradients, grads,
+        GradReduce(expert_gather.mesh, comm, own_group=True) if expert_gather is not None else None,
     )
     loss_scaler = build_loss_scaler(config.fp16)
     optimizer = None
@@ -293,6 +297,20 @@ def build(
         model, device, units, persistent_unit, sharded_params, disk, host_pool, layout.buffers, layout.disk_tier,
         grads, reducer, loss_scaler, optimizer, coordinator, backward, offloader, secondary, protocol, bool(lean),
     )
+
+
+def share_out_experts(model: nn.Module, config: Zero3Config, comm: Communicator) -> ParamGather | None:
+    """With `expert_parallel`: the model's expert layers checked (on every rank, before any is changed), then
+    shared out over the topology's expert-parallel groups (zero3.moe.expert_parallel's Note); the gather of
+    their shares, on the expert-data groups. None without expert parallelism."""
+    size = config.expert_parallel.size
+    topology = comm.topology
+    if size == 1 or topology is None or topology.experts is None or topology.expert_data is None:
+        return None
+    layers = find_experts(model)
+    check_autoep_size(layers, size, topology.world_size, topology.nodes.ranks_per_node)
+    expert_parallel.share_out_experts(layers, topology.experts.shard_rank, size, topology.experts.shard_group)
+    return ParamGather(topology.expert_data, comm, own_group=True)
 
 
 def grad_reduce(mesh: ShardMesh, comm: Communicator) -> GradReduce:

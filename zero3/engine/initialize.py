@@ -78,7 +78,7 @@ def initialize(
     default_group.join_default_group(device, cfg.comm_timeout_s)
     topology = Topology.build(device, default_group.engine_timeout(cfg.comm_timeout_s), mesh,
                               cfg.zero_optimization.mics_shard_size, cfg.zero_optimization.zero_hpz_partition_size,
-                              cfg.zero_optimization.zero_quantized_gradients)
+                              cfg.zero_optimization.zero_quantized_gradients, cfg.expert_parallel.size)
     communicator = comm.Communicator(topology)
     try:
         with Init.paused_for_engine_build():

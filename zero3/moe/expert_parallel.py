@@ -5,12 +5,14 @@
 rank's share of it, in place: the module keeps its place and its parameter names, but each expert weight
 holds only the experts this rank owns (rank r of an expert-parallel group of N the experts
 [r * E/N, (r + 1) * E/N), the share the module's `num_experts` now counts), cut from rank 0's values so
-every rank holds one model whatever its seed. The module's class becomes a subclass of its own whose
-forward sends the tokens to their experts' owners and back (zero3.moe.dispatch) and runs the original
-forward on the tokens it receives: the way FSDP2's `fully_shard` swaps a module's class, so hooks on the
-module (the engine's gathers) still run once around the whole call, and a deepcopy or a pickle of the
-model keeps working. Each expert weight carries its `ExpertShare` (which experts of how many it holds),
-for whatever must see the whole `[E, ...]` tensor again.
+every rank holds one model whatever its seed; each expert weight stays the same parameter object (an
+optimizer's groups or a `model_parameters` list still hold it), with its share's values in place of the
+whole. The module's class becomes a subclass of its own whose forward sends the tokens to their experts'
+owners and back (zero3.moe.dispatch) and runs the original forward on the tokens it receives: the way
+FSDP2's `fully_shard` swaps a module's class, so hooks on the module (the engine's gathers) still run once
+around the whole call, and a deepcopy or a pickle of the model keeps working. Each expert weight carries
+its `ExpertShare` (which experts of how many it holds), for whatever must see the whole `[E, ...]` tensor
+again.
 """
 
 from __future__ import annotations
@@ -106,10 +108,9 @@ def share_out_experts(layers: list[ExpertLayer], ep_rank: int, ep_size: int,
             if spread:
                 values = values.contiguous().clone()
                 dist.broadcast(values, src=0)
-            local = nn.Parameter(values[share.first:share.first + share.count].clone(),
-                                 requires_grad=whole.requires_grad)
-            setattr(local, SHARE, share)
-            module._parameters[name] = local
+            with torch.no_grad():  # the same parameter (an optimizer's groups still hold it), its share's values
+                whole.data = values[share.first:share.first + share.count].clone()
+            setattr(whole, SHARE, share)
         if hasattr(module, "num_experts"):
             module.num_experts = share.count
         setattr(module, SHARE, share)

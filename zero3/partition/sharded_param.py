@@ -9,12 +9,14 @@ attribute added to the parameter is `_zero3`, pointing here.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
+from zero3.moe.expert_parallel import expert_share
 from zero3.partition.flat_buffer import Slot
 
 
@@ -102,6 +104,23 @@ class ShardedParam:
     def shard_range(self) -> tuple[int, int]:
         """[start, end) of this rank's shard within the flattened parameter (may be empty)."""
         return self.mesh.shard_range(self.numel)
+
+    @property
+    def whole_shape(self) -> torch.Size:
+        """The shape of the model's whole parameter: `shape`, or for a shared-out expert weight (this rank's
+        experts only: zero3.moe.expert_parallel) the shape with every expert."""
+        share = expert_share(self.param)
+        return self.shape if share is None else torch.Size((share.total, *self.shape[1:]))
+
+    def whole_range(self) -> tuple[int, int]:
+        """`shard_range` within the whole parameter (`whole_shape`): a share's experts are a contiguous run of
+        the whole's rows, so its shard is a contiguous range of the whole's flat values too."""
+        start, end = self.shard_range()
+        share = expert_share(self.param)
+        if share is None:
+            return start, end
+        shift = share.first * math.prod(self.shape[1:])
+        return start + shift, end + shift
 
     def lp_shard(self) -> torch.Tensor:
         assert self.lp_slot is not None

@@ -1,0 +1,181 @@
+"""zero3.initialize with `expert_parallel` on a tiny Hugging Face MoE model at 2 and 4 ranks: the same losses
+and weights, step after step, as a plain single-process run on the same global batch; a size that cannot lay
+the experts out and a model without experts refused on every rank before the model changes; combinations the
+expert shares are not laid out for yet refused by the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero3
+from tests.distributed import run_ranks
+from tests.test_moe_expert_parallel import EXPERTS, VOCAB, moe_model
+from zero3.moe import expert_share
+
+STEPS, LR = 3, 1e-2
+
+
+def config(autoep_size: int, **zero: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500,
+                                  **zero},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "expert_parallel": {"enabled": True, "autoep_size": autoep_size}}
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (1, 6), generator=generator)
+
+
+def trained_rank(rank: int, world: int, autoep_size: int, family: str) -> dict:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = moe_model(seed=rank, family=family)  # seeded apart: rank 0's weights are everyone's
+    engine, *_ = zero3.initialize(model=model, config=config(autoep_size))
+    losses = []
+    for step in range(STEPS):
+        ids = batch(rank, step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weights = {}
+    for name, p in engine.module.named_parameters():
+        share = expert_share(p)
+        weights[name] = (share.first if share else None, zero3.safe_get_full_fp32_param(p))
+    state = {"losses": losses, "weights": weights, "report": engine.model_state_bytes()}
+    engine.destroy()
+    return state
+
+
+@pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe")])
+def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str) -> None:
+    results = run_ranks(world, trained_rank, autoep_size, family)
+    reference = moe_model(seed=0, family=family)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = [reference(input_ids=batch(rank, step), labels=batch(rank, step)).loss for rank in range(world)]
+        for rank, loss in enumerate(losses):
+            assert results[rank]["losses"][step] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6), (step, rank)
+        (sum(losses) / world).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+    count = EXPERTS // autoep_size
+    for rank, result in enumerate(results):
+        for name, p in reference.named_parameters():
+            first, got = result["weights"][name]
+            expected = p.detach() if first is None else p.detach()[first:first + count]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def resumed_rank(rank: int, world: int, autoep_size: int | None, save_dir: str, saving: bool) -> dict:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = moe_model(seed=rank)
+    settings = config(autoep_size or 1)
+    if autoep_size is None:
+        del settings["expert_parallel"]  # a plain ZeRO-3 job resumes the expert-parallel one
+    engine, *_ = zero3.initialize(model=model, config=settings)
+    steps = range(2) if saving else range(2, 3)
+    if not saving:
+        engine.load_checkpoint(save_dir)
+    losses = []
+    for step in steps:
+        ids = batch(rank, step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if saving:
+        engine.save_checkpoint(save_dir)
+    weights = {name: (share.first if (share := expert_share(p)) else None, zero3.safe_get_full_fp32_param(p))
+               for name, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def saved_at_autoep_2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A checkpoint of 2 steps at 4 ranks with autoep_size 2 (saved once for the module's tests)."""
+    save_dir = str(tmp_path_factory.mktemp("moe_checkpoint"))
+    run_ranks(4, resumed_rank, 2, save_dir, True)
+    return save_dir
+
+
+@pytest.mark.parametrize("world, autoep_size", [(2, 2), (4, 4), (2, None)])
+def test_a_checkpoint_saved_at_autoep_2_resumes_at_another_layout(saved_at_autoep_2: str, world: int,
+                                                                  autoep_size: int | None) -> None:
+    results = run_ranks(world, resumed_rank, autoep_size, saved_at_autoep_2, False)
+    reference = moe_model(seed=0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    for step, ranks in ((0, 4), (1, 4), (2, world)):
+        optimizer.zero_grad()
+        losses = [reference(input_ids=batch(rank, step), labels=batch(rank, step)).loss for rank in range(ranks)]
+        if step == 2:
+            for rank, loss in enumerate(losses):
+                assert results[rank]["losses"][0] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6), rank
+        (sum(losses) / ranks).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+    count = EXPERTS // (autoep_size or 1)
+    for result in results:
+        for name, p in reference.named_parameters():
+            first, got = result["weights"][name]
+            expected = p.detach() if first is None else p.detach()[first:first + count]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def refused_rank(rank: int, world: int, case: str) -> str:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = moe_model(seed=0)
+    if case == "no experts":
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = {name: p.shape for name, p in model.named_parameters()}
+    settings = config(4 if case == "autoep_size does not divide the world" else 2)
+    if case == "autoep_size does not divide the experts":
+        settings = config(2)
+        model = moe_model(seed=0)
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[:3].clone())
+            experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[:3].clone())
+            experts.num_experts = 3
+        before = {name: p.shape for name, p in model.named_parameters()}
+    try:
+        engine, *_ = zero3.initialize(model=model, config=settings)
+    except (zero3.ConfigError, ValueError) as error:
+        after = {name: p.shape for name, p in model.named_parameters()}
+        assert after == before and not any(type(m).__name__.startswith("ExpertParallel") for m in model.modules())
+        return str(error)
+    try:
+        list(engine.iter_full_params())
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+    return "accepted"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("autoep_size does not divide the experts", r"expert_parallel.autoep_size=2 does not divide the number of experts"
+                                                r" of every layer \(3\)"),
+    ("no experts", "expert_parallel is enabled, but the model has no expert layers"),
+    ("autoep_size does not divide the world", "expert_parallel.autoep_size=4 does not divide the world size 2"),
+    ("whole-weight streams", "iter_full_params with expert_parallel"),
+])
+def test_bad_sizes_are_refused_on_every_rank_with_the_model_untouched(case: str, message: str) -> None:
+    import re
+
+    for got in run_ranks(2, refused_rank, case):
+        assert re.search(message, got), got
+
+
+def test_what_expert_shares_are_not_laid_out_for_is_refused_by_the_config() -> None:
+    for zero, key in (({"mics_shard_size": 2}, "mics_shard_size"), ({"zero_hpz_partition_size": 2}, "zero_hpz"),
+                      ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device")):
+        with pytest.raises(zero3.ConfigError, match=f"expert_parallel.autoep_size, zero_optimization.{key}"):
+            zero3.load_config(config(2, **zero))
+    assert zero3.load_config(config(2)).expert_parallel.size == 2
+    assert zero3.load_config({**config(2), "expert_parallel": {"autoep_size": 2}}).expert_parallel.size == 1
