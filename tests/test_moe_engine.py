@@ -5,7 +5,10 @@ expert shares are not laid out for yet refused by the config."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -30,7 +33,7 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, 6), generator=generator)
 
 
-def trained_rank(rank: int, world: int, autoep_size: int, family: str) -> dict:
+def trained_rank(rank: int, world: int, autoep_size: int, family: str, save_dir: str) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = moe_model(seed=rank, family=family)  # seeded apart: rank 0's weights are everyone's
     engine, *_ = zero3.initialize(model=model, config=config(autoep_size))
@@ -45,14 +48,22 @@ def trained_rank(rank: int, world: int, autoep_size: int, family: str) -> dict:
     for name, p in engine.module.named_parameters():
         share = expert_share(p)
         weights[name] = (share.first if share else None, zero3.safe_get_full_fp32_param(p))
-    state = {"losses": losses, "weights": weights, "report": engine.model_state_bytes()}
+    # Whole weights, expert weights [E, ...] as the model has them: streamed, in buckets, and saved.
+    streamed = {name: t.clone() for name, t in engine.iter_full_params()}
+    bucketed = {name: t.clone() for name, t in engine.iter_full_params(bucket_bytes=2048)}
+    engine.save_16bit_model(save_dir)
+    state = {"losses": losses, "weights": weights, "report": engine.model_state_bytes(), "streamed": streamed,
+             "bucketed": bucketed}
     engine.destroy()
     return state
 
 
 @pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe")])
-def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str) -> None:
-    results = run_ranks(world, trained_rank, autoep_size, family)
+def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str,
+                                                     tmp_path: Path) -> None:
+    """Also: the trained weights streamed (one at a time and in buckets) and saved by save_16bit_model are the
+    plain run's whole weights."""
+    results = run_ranks(world, trained_rank, autoep_size, family, str(tmp_path))
     reference = moe_model(seed=0, family=family)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     for step in range(STEPS):
@@ -69,6 +80,12 @@ def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: i
             first, got = result["weights"][name]
             expected = p.detach() if first is None else p.detach()[first:first + count]
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    whole = dict(reference.named_parameters())
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    for source in [result["streamed"] for result in results] + [result["bucketed"] for result in results] + [saved]:
+        assert set(source) == set(whole) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
+        for name, got in source.items():
+            torch.testing.assert_close(got, whole[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def resumed_rank(rank: int, world: int, autoep_size: int | None, save_dir: str, saving: bool) -> dict:
@@ -149,9 +166,11 @@ def refused_rank(rank: int, world: int, case: str) -> str:
         after = {name: p.shape for name, p in model.named_parameters()}
         assert after == before and not any(type(m).__name__.startswith("ExpertParallel") for m in model.modules())
         return str(error)
+    experts = model.model.layers[0].mlp.experts
     try:
-        list(engine.iter_full_params())
-    except NotImplementedError as error:
+        with zero3.GatheredParameters([experts.gate_up_proj], modifier_rank=0):
+            pass
+    except ValueError as error:
         return str(error)
     finally:
         engine.destroy()
@@ -163,7 +182,8 @@ def refused_rank(rank: int, world: int, case: str) -> str:
                                                 r" of every layer \(3\)"),
     ("no experts", "expert_parallel is enabled, but the model has no expert layers"),
     ("autoep_size does not divide the world", "expert_parallel.autoep_size=4 does not divide the world size 2"),
-    ("whole-weight streams", "iter_full_params with expert_parallel"),
+    ("one rank's values for every rank's experts", r"GatheredParameters\(modifier_rank=0\) on shared-out expert "
+                                                   r"weights \(model.layers.0.mlp.experts.gate_up_proj, ...\)"),
 ])
 def test_bad_sizes_are_refused_on_every_rank_with_the_model_untouched(case: str, message: str) -> None:
     import re

@@ -20,7 +20,6 @@ from zero3.checkpoint.async_saves import AsyncSaves
 from zero3.checkpoint.tags import CheckpointError, latest_tag
 from zero3.config import Zero3Config
 from zero3.enums import OffloadStateType
-from zero3.moe.expert_parallel import expert_share
 from zero3.comm import Communicator
 from zero3.offload.manager import StateOffloader
 from zero3.partition.collectives import ParamGather
@@ -211,7 +210,8 @@ class CheckpointMethods:
     def iter_full_params(
         self, dtype: torch.dtype | None = None, names: Iterable[str] | None = None, bucket_bytes: int | None = None,
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """Yield `(name, tensor)` for every parameter, whole; collective.
+        """Yield `(name, tensor)` for every parameter, whole; collective. A shared-out expert weight
+        (`expert_parallel`) comes whole too, `[E, ...]` as the model has it without expert parallelism.
 
         For handing weights to a generator: vLLM's `model.load_weights(weights=...)`,
         SGLang's `update_weights_from_tensor` (see examples/generator_weights.py).
@@ -241,7 +241,6 @@ class CheckpointMethods:
         if bucket_bytes is not None:
             return weight_buckets.whole_params(iter(self.iter_weight_buckets(bucket_bytes, dtype, names)))
         self._check_alive()
-        self._refuse_expert_shares("iter_full_params")
         self.parts.check_between_steps("iter_full_params")
         self.parts.repair_lp("iter_full_params")
         return full_params.stream(
@@ -262,7 +261,6 @@ class CheckpointMethods:
         from zero3.weights import full_params
         from zero3.weights import buckets as weight_buckets
 
-        self._refuse_expert_shares("iter_weight_buckets")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r}: expected a positive number of bytes")
         self._check_alive()
@@ -271,17 +269,6 @@ class CheckpointMethods:
         dtype = self.compute_dtype if dtype is None else dtype
         chosen = full_params.request(self.module, self.gather, dtype, names)
         return weight_buckets.buckets(chosen, self.gather, self.offloader, dtype, bucket_bytes)
-
-    def _refuse_expert_shares(self, what: str) -> None:
-        """Whole-weight streams gather over one shard group; a shared-out expert weight's whole spans the
-        expert-parallel group too, which they do not gather yet: refused on every rank (alike) before any
-        collective."""
-        shared = [sp.name for sp in self.parts.sharded_params if expert_share(sp.param) is not None]
-        if shared:
-            raise NotImplementedError(
-                f"{what} with expert_parallel: the whole expert weights ({shared[0]}, ...) span the expert-parallel "
-                "group, which whole-weight streams do not gather yet; save_checkpoint and `zero3 export` write them "
-                "whole")
 
     def wait_for_checkpoint(self) -> None:
         """Wait for an async save still writing (raises its error, if it failed)."""

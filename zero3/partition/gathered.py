@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero3.moe.expert_parallel import expert_share
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, sharded
 from zero3.step_protocol import StepProtocol
@@ -54,6 +55,13 @@ class GatheredParameters:
                 units.setdefault(id(unit), unit)
                 self.listed.add(sp)
         self.units = list(units.values())
+        shared = [sp.name for sp in self.listed if expert_share(sp.param) is not None]
+        if modifier_rank is not None and shared:
+            # One rank's values cannot become every rank's: the ranks of an expert-parallel group hold other experts.
+            raise ValueError(
+                f"GatheredParameters(modifier_rank={modifier_rank!r}) on shared-out expert weights ({shared[0]}, ...): "
+                "each rank holds its own experts, so no one rank's values are every rank's; set their values with "
+                "load_checkpoint, or before zero3.initialize shares the experts out")
         if modifier_rank is not None and self.units:
             world = self.units[0].gather.mesh.shard_size
             if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world:

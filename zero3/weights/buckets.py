@@ -37,6 +37,12 @@ buffers of the largest bucket (the one being read, the one laid out before
 it is released, the next one's rank-major output) and this rank's part of
 one. A bucket read from disk, cast to another dtype or (lean memory mode)
 from the masters goes through copies, as before.
+
+A shared-out expert weight (zero3.moe.expert_parallel) is sharded over
+another group than the dense parameters, and its whole spans the
+expert-parallel group: each comes after the dense buckets in a bucket of its
+own, gathered whole (`[E, ...]`) as `iter_full_params` gathers it, in memory
+of its own.
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ from typing import Any
 import torch
 
 from zero3.comm import Communicator
+from zero3.moe.expert_parallel import expert_share
 from zero3.partition.collectives import ParamGather, PendingGather
 from zero3.partition.sharded_param import ShardedParam
-from zero3.weights.full_params import GatherBuffer, ParkedStates, read_own_shard
+from zero3.weights.full_params import GatherBuffer, ParkedStates, read_own_shard, whole
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class WeightBucket:
         self.flat = flat
         self.entries = entries
         self.event = event  # a torch.cuda.Event on CUDA (recorded when the values are in place), else None
-        self._pool = pool  # None: a view of the engine's own buffer, nothing to give back
+        self._pool = pool  # None: nothing to give back (a view of the engine's own buffer, or memory of its own)
         self.released = False
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -226,7 +233,25 @@ def buckets(
     chosen: list[tuple[str, ShardedParam]], gather: ParamGather, parked: ParkedStates, dtype: torch.dtype,
     bucket_bytes: int,
 ) -> Iterator[WeightBucket]:
-    """The buckets of `chosen`, each gathered while the consumer reads the one before (see the Note)."""
+    """The buckets of `chosen`, each gathered while the consumer reads the one before, then each expert
+    weight's (see the Note)."""
+    experts = [(name, sp) for name, sp in chosen if expert_share(sp.param) is not None]
+    shared = {name for name, _ in experts}
+    yield from _dense_buckets([item for item in chosen if item[0] not in shared], gather, parked, dtype, bucket_bytes)
+    for name, sp in experts:
+        parked.settle()
+        numel = sp.whole_shape.numel()
+        values = whole(sp, gather, GatherBuffer(sp.padded_numel, dtype, sp.placeholder.device, sp.shard_numel, numel))
+        yield WeightBucket(values.view(-1), [BucketEntry(name, sp.whole_shape, dtype, 0, numel)],
+                           _record_event(values.device), None)
+    if experts:
+        Communicator.forget_released()
+
+
+def _dense_buckets(
+    chosen: list[tuple[str, ShardedParam]], gather: ParamGather, parked: ParkedStates, dtype: torch.dtype,
+    bucket_bytes: int,
+) -> Iterator[WeightBucket]:
     if not chosen:
         return
     gather = gather.exact()

@@ -28,6 +28,13 @@ it gives the values a cast of the whole would, and the gathered buffer is
 already the tensor the consumer gets. A world of one has nothing to gather: a
 shard in memory, on the device, in the asked dtype is the whole parameter,
 and is yielded as a view of it (no memory at all).
+
+A shared-out expert weight (zero3.moe.expert_parallel) is gathered in two
+steps: its share from the ranks that shard it (its unit's expert-data group)
+into the buffer, then the shares of the expert-parallel group, each a
+contiguous run of the whole's rows in group-rank order, into a second buffer
+the size of the largest whole expert weight: the tensor yielded is `[E, ...]`
+as the model has it without expert parallelism.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ import torch
 from torch import nn
 
 from zero3.comm import Communicator
+from zero3.moe.expert_parallel import ExpertShare, expert_share
 from zero3.partition.collectives import ParamGather
 from zero3.partition.flat_buffer import Slot
 from zero3.partition.sharded_param import ShardedParam, require_sharded
+from zero3.partition.unit import unit_of
 
 
 # The host memory a shard read from disk passes through when it is cast or bound for a device.
@@ -119,16 +128,24 @@ class GatherBuffer:
     """The one flat buffer every parameter is gathered into in turn, made at its first use; and the one
     host piece that a shard read from disk passes through when it is cast or bound for a device."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, shard_numel: int) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, shard_numel: int,
+                 whole_numel: int = 0) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
         self.shard_numel = shard_numel  # the largest shard read through the staging piece
+        self.whole_numel = whole_numel  # the largest whole expert weight (see the Note)
         self._tensor: torch.Tensor | None = None
+        self._whole: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
 
     def take(self, numel: int) -> torch.Tensor:
         if self._tensor is None:
             self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return self._tensor[:numel]
+
+    def take_whole(self, numel: int) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = torch.empty(self.whole_numel, dtype=self.dtype, device=self.device)
+        return self._whole[:numel]
 
     def staging(self, dtype: torch.dtype) -> torch.Tensor:
         """The staging piece, made once for the whole walk at the size its largest shard needs: a fresh
@@ -146,15 +163,35 @@ def _gathered(
         return
     parked.settle()  # background offload writes or reloads land first: each buffer is where it says
     output = GatherBuffer(max(sp.padded_numel for _, sp in chosen), dtype, chosen[0][1].placeholder.device,
-                           max(sp.shard_numel for _, sp in chosen))
+                          max(sp.shard_numel for _, sp in chosen),
+                          max((sp.whole_shape.numel() for _, sp in chosen if expert_share(sp.param)), default=0))
     for name, sp in chosen:
-        yield name, _whole(sp, gather, output)
+        yield name, whole(sp, gather, output)
     del output
     Communicator.forget_released()  # the collectives' aliases of the buffer go with it
 
 
-def _whole(sp: ShardedParam, gather: ParamGather, output: GatherBuffer) -> torch.Tensor:
-    """One parameter, whole, on the engine's device, in the buffer's dtype (collective)."""
+def whole(sp: ShardedParam, gather: ParamGather, output: GatherBuffer) -> torch.Tensor:
+    """One parameter, whole (`sp.whole_shape`), on the engine's device, in the buffer's dtype (collective);
+    `gather` is the dense parameters' (an expert weight's share is gathered by its own unit's)."""
+    share = expert_share(sp.param)
+    if share is None:
+        return _gathered_shards(sp, gather, output)
+    return _whole_experts(sp, share, output)
+
+
+def _whole_experts(sp: ShardedParam, share: ExpertShare, output: GatherBuffer) -> torch.Tensor:
+    """A shared-out expert weight: its share gathered, then every share of the expert-parallel group."""
+    unit = unit_of(sp)
+    assert unit is not None and unit.gather.comm is not None, f"{sp.name}: an expert share has its engine's unit"
+    values = _gathered_shards(sp, unit.gather.exact(), output).reshape(-1)
+    gathered = output.take_whole(sp.whole_shape.numel())
+    unit.gather.comm.all_gather_flat(gathered, values, group=share.group)
+    return gathered.view(sp.whole_shape)
+
+
+def _gathered_shards(sp: ShardedParam, gather: ParamGather, output: GatherBuffer) -> torch.Tensor:
+    """The parameter as this rank's module holds it (`sp.shape`), its shards gathered over `gather`'s mesh."""
     slot = sp.lp_slot
     if slot is not None and not gather.mesh.sharded:
         buffer = slot.buffer
