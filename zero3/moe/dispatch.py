@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from zero3.moe.experts import ExpertLayer
@@ -66,11 +66,18 @@ def dispatch(local: LocalExperts, hidden: torch.Tensor, top_k_index: torch.Tenso
     recv_index = torch.empty(sum(recv_splits), dtype=local_index.dtype, device=hidden.device)
     dist.all_to_all_single(recv_index, local_index, recv_splits, send_splits, group=group)
     sent = hidden[token[order]]
-    received = dist_nn.all_to_all_single(sent.new_empty((sum(recv_splits), hidden.shape[-1])), sent,
-                                         recv_splits, send_splits, group=group)
+    received = _exchange(sent, recv_splits, send_splits, group)
     ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=hidden.device)
     computed = local(received, recv_index.unsqueeze(1), ones)
-    back = dist_nn.all_to_all_single(computed.new_empty((expert.numel(), hidden.shape[-1])), computed,
-                                     send_splits, recv_splits, group=group)
+    back = _exchange(computed, send_splits, recv_splits, group)
     weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(1)
     return torch.zeros_like(hidden).index_add(0, token[order], weighted.to(hidden.dtype))
+
+
+def _exchange(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+              group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`rows` sent `send_splits` to each rank of `group`, `recv_splits` received from each: differentiable
+    (the backward sends the gradients the other way)."""
+    received = funcol.all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits,
+                                                 group if group is not None else dist.group.WORLD)
+    return funcol.wait_tensor(received)
