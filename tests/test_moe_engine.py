@@ -16,6 +16,7 @@ import zero3
 from tests.distributed import run_ranks
 from tests.test_moe_expert_parallel import EXPERTS, VOCAB, moe_model
 from zero3.moe import expert_share
+from zero3.shard_mesh import TopologyError, expert_group_size
 
 STEPS, LR = 3, 1e-2
 
@@ -33,12 +34,21 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, 6), generator=generator)
 
 
-def trained_rank(rank: int, world: int, autoep_size: int, family: str, save_dir: str) -> dict:
+def trained_rank(rank: int, world: int, autoep_size: int, family: str, save_dir: str,
+                 zero: dict | None = None) -> dict:
+    """`zero`: more zero_optimization keys; with them, the states are also parked on disk after the second
+    step (offload_states) and brought back before the third."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = moe_model(seed=rank, family=family)  # seeded apart: rank 0's weights are everyone's
-    engine, *_ = zero3.initialize(model=model, config=config(autoep_size))
-    losses = []
+    engine, *_ = zero3.initialize(model=model, config=config(autoep_size, **(zero or {})))
+    losses, parked = [], {}
     for step in range(STEPS):
+        if zero is not None and step == 2:
+            parked["before"] = {state: zero3.get_state_devices(engine, state) for state in PARKED}
+            engine.offload_states(device="nvme", nvme_path=str(Path(save_dir) / f"parked{rank}"))
+            parked["offloaded"] = {state: zero3.get_state_devices(engine, state) for state in PARKED}
+            engine.reload_states()
+            parked["reloaded"] = {state: zero3.get_state_devices(engine, state) for state in PARKED}
         ids = batch(rank, step)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -53,17 +63,18 @@ def trained_rank(rank: int, world: int, autoep_size: int, family: str, save_dir:
     bucketed = {name: t.clone() for name, t in engine.iter_full_params(bucket_bytes=2048)}
     engine.save_16bit_model(save_dir)
     state = {"losses": losses, "weights": weights, "report": engine.model_state_bytes(), "streamed": streamed,
-             "bucketed": bucketed}
+             "bucketed": bucketed, "parked": parked}
     engine.destroy()
     return state
 
 
-@pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe")])
-def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str,
-                                                     tmp_path: Path) -> None:
-    """Also: the trained weights streamed (one at a time and in buckets) and saved by save_16bit_model are the
-    plain run's whole weights."""
-    results = run_ranks(world, trained_rank, autoep_size, family, str(tmp_path))
+PARKED = ("lp_params", "hp_params", "optim_states", "lp_grads")
+
+
+def assert_matches_a_plain_run(results: list[dict], world: int, autoep_size: int, family: str,
+                               save_dir: Path) -> None:
+    """Every rank's losses, its share of the trained weights, and the whole weights it streamed and saved
+    are a plain single-process run's on the same global batch."""
     reference = moe_model(seed=0, family=family)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     for step in range(STEPS):
@@ -81,17 +92,53 @@ def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: i
             expected = p.detach() if first is None else p.detach()[first:first + count]
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     whole = dict(reference.named_parameters())
-    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    saved = safetensors.torch.load_file(save_dir / "model.safetensors")
     for source in [result["streamed"] for result in results] + [result["bucketed"] for result in results] + [saved]:
         assert set(source) == set(whole) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
         for name, got in source.items():
             torch.testing.assert_close(got, whole[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def resumed_rank(rank: int, world: int, autoep_size: int | None, save_dir: str, saving: bool) -> dict:
+@pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe")])
+def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str,
+                                                     tmp_path: Path) -> None:
+    """Also: the trained weights streamed (one at a time and in buckets) and saved by save_16bit_model are the
+    plain run's whole weights."""
+    results = run_ranks(world, trained_rank, autoep_size, family, str(tmp_path))
+    assert_matches_a_plain_run(results, world, autoep_size, family, tmp_path)
+
+
+@pytest.mark.parametrize("world, zero", [
+    (4, {"offload_optimizer": {"device": "cpu"}}),
+    (4, {"offload_optimizer": {"device": "nvme"}}),
+    (4, {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+    (4, {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}),
+    (4, {"zero_hpz_partition_size": 2}),
+    (4, {"mics_shard_size": 2}),  # each share whole on a rank, replicated across the MiCS replicas
+    (8, {"mics_shard_size": 4, "zero_hpz_partition_size": 2}),  # each share sharded in a shard group, and replicated
+], ids=["optimizer on the host", "optimizer on disk", "parameters on the host", "parameters on disk", "hpZ", "MiCS",
+        "MiCS and hpZ at 8 ranks"])
+def test_expert_parallel_matches_a_plain_run_with_every_tier_hpz_and_mics(world: int, zero: dict,
+                                                                          tmp_path: Path) -> None:
+    """autoep_size 2 beside each tier, hpZ's secondary shards (the dense part's) and MiCS's replicas (the
+    experts' are the dense part's); the states parked on disk and brought back between two steps, each to
+    where it was (a tier's states to their tier)."""
+    for section in ("offload_optimizer", "offload_param"):
+        if zero.get(section, {}).get("device") == "nvme":
+            (tmp_path / section).mkdir()
+            zero = {**zero, section: {"device": "nvme", "nvme_path": str(tmp_path / section)}}
+    results = run_ranks(world, trained_rank, 2, "qwen3_moe", str(tmp_path), zero)
+    assert_matches_a_plain_run(results, world, 2, "qwen3_moe", tmp_path)
+    for result in results:
+        assert result["parked"]["offloaded"] == {state: {torch.device("meta")} for state in PARKED}
+        assert result["parked"]["reloaded"] == result["parked"]["before"]  # each state back in its tier
+
+
+def resumed_rank(rank: int, world: int, autoep_size: int | None, save_dir: str, saving: bool,
+                 zero: dict | None = None) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = moe_model(seed=rank)
-    settings = config(autoep_size or 1)
+    settings = config(autoep_size or 1, **(zero or {}))
     if autoep_size is None:
         del settings["expert_parallel"]  # a plain ZeRO-3 job resumes the expert-parallel one
     engine, *_ = zero3.initialize(model=model, config=settings)
@@ -125,6 +172,18 @@ def saved_at_autoep_2(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_a_checkpoint_saved_at_autoep_2_resumes_at_another_layout(saved_at_autoep_2: str, world: int,
                                                                   autoep_size: int | None) -> None:
     results = run_ranks(world, resumed_rank, autoep_size, saved_at_autoep_2, False)
+    assert_resumes_the_plain_run(results, world, autoep_size)
+
+
+def test_a_checkpoint_saved_with_mics_replicas_resumes_without_them(tmp_path: Path) -> None:
+    """MiCS's replicas of each expert share (4 ranks, shard groups of 2, autoep_size 2) write one checkpoint."""
+    run_ranks(4, resumed_rank, 2, str(tmp_path), True, {"mics_shard_size": 2})
+    assert_resumes_the_plain_run(run_ranks(2, resumed_rank, 2, str(tmp_path), False), 2, 2)
+
+
+def assert_resumes_the_plain_run(results: list[dict], world: int, autoep_size: int | None) -> None:
+    """Two steps at 4 ranks, then one at `world`: the resumed step's losses and the weights after it are a
+    plain run's on the same global batches."""
     reference = moe_model(seed=0)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
     for step, ranks in ((0, 4), (1, 4), (2, world)):
@@ -193,9 +252,13 @@ def test_bad_sizes_are_refused_on_every_rank_with_the_model_untouched(case: str,
 
 
 def test_what_expert_shares_are_not_laid_out_for_is_refused_by_the_config() -> None:
-    for zero, key in (({"mics_shard_size": 2}, "mics_shard_size"), ({"zero_hpz_partition_size": 2}, "zero_hpz"),
-                      ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device")):
-        with pytest.raises(zero3.ConfigError, match=f"expert_parallel.autoep_size, zero_optimization.{key}"):
-            zero3.load_config(config(2, **zero))
-    assert zero3.load_config(config(2)).expert_parallel.size == 2
-    assert zero3.load_config({**config(2), "expert_parallel": {"autoep_size": 2}}).expert_parallel.size == 1
+    cases = ((config(4, mics_shard_size=2), "expert_parallel.autoep_size, zero_optimization.mics_shard_size"),
+             ({**config(2), "fault_tolerance": {"enabled": True}}, "expert_parallel.autoep_size, fault_tolerance"))
+    for settings, keys in cases:
+        with pytest.raises(zero3.ConfigError, match=keys):
+            zero3.load_config(settings)
+    assert zero3.load_config(config(2, mics_shard_size=4)).expert_parallel.size == 2
+    # A mesh's own shard dimension (HSDP) is held to the same: an expert-parallel group inside one shard group.
+    with pytest.raises(TopologyError, match="autoep_size=4 does not divide the shard group's 2 ranks"):
+        expert_group_size(4, 8, 8, shard_size=2)
+    assert expert_group_size(2, 8, 8, shard_size=4) == 2

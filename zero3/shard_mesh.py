@@ -130,14 +130,20 @@ def hpz_group_size(hpz_partition_size: int, shard_size: int, ranks_per_node: int
     return size
 
 
-def expert_group_size(autoep_size: int, world_size: int, ranks_per_node: int) -> int:
+def expert_group_size(autoep_size: int, world_size: int, ranks_per_node: int, shard_size: int | None = None) -> int:
     """The ranks of an expert-parallel group (`expert_parallel.autoep_size`; 1: off): consecutive ranks, inside
-    one node or over whole nodes; a `TopologyError` naming the numbers where the size cannot be laid out so."""
+    one node or over whole nodes, and inside one of the dense part's shard groups (`shard_size`, where the
+    model's shards have replicas: MiCS, HSDP), so that the experts' replicas are the dense part's; a
+    `TopologyError` naming the numbers where the size cannot be laid out so."""
     key = "expert_parallel.autoep_size"
     if autoep_size < 1:
         raise TopologyError(f"{key}={autoep_size}: expected a positive number of ranks")
     if world_size % autoep_size:
         raise TopologyError(f"{key}={autoep_size} does not divide the world size {world_size}")
+    if shard_size is not None and shard_size % autoep_size:
+        raise TopologyError(f"{key}={autoep_size} does not divide the shard group's {shard_size} ranks "
+                            "(zero_optimization.mics_shard_size, or the mesh's shard dimension): an expert-parallel "
+                            "group lies inside one shard group")
     if ranks_per_node % autoep_size and autoep_size % ranks_per_node:
         raise TopologyError(f"{key}={autoep_size} neither divides a node's {ranks_per_node} ranks nor spans "
                             "whole nodes: an expert-parallel group lies inside one node, or over whole nodes")

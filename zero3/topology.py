@@ -62,7 +62,8 @@ order or timing differs between ranks get a group of their own:
   N), N consecutive ranks (inside a node, or over whole nodes) that share a
   layer's experts out and send each other tokens (zero3.moe.dispatch), and
   the ranks at the same place in each such group, which shard an expert's
-  state and reduce its gradients.
+  state and reduce its gradients (inside one shard group where the dense
+  part's shards have replicas: the experts' replicas are then the dense part's).
 * `host_shard_group`, `host_replicate_group`: gloo over the shard and the
   replicate group, for host tensors beside an accelerator (Muon's all-to-all
   and the replicas' gradient sum under ZeRO-Offload); the groups above where
@@ -92,6 +93,7 @@ REPLICATE, SHARD = "replicate", "shard"  # the mesh's dimension names, FSDP2's H
 HPZ_OUTER, HPZ = "hpz_groups", "hpz"  # hpZ's secondary mesh: (groups, ranks in a group)
 QGZ_ACROSS, QGZ_INSIDE = "qgz_across", "qgz_inside"  # qgZ's mesh over a shard group: (nodes, ranks of a node)
 EXPERT_DATA, EXPERT = "expert_data", "expert"  # expert parallelism's mesh: (expert-parallel groups, ranks in one)
+EXPERT_REPLICATE = "expert_replicate"  # its replicas' dimension, where the dense part's shards have replicas
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class Topology:
             try:
                 own = NodeLayout.own_view(rank, world_size)
                 shape = _shape(mesh, mics_shard_size, world_size)
-                expert_group_size(expert_parallel_size, world_size, own[0])
+                expert_group_size(expert_parallel_size, world_size, own[0], shape[1] if shape[0] > 1 else None)
                 failure = None
             except TopologyError as error:
                 failure = str(error)
@@ -308,17 +310,31 @@ class Topology:
                 )
             experts = expert_data = None
             if expert_parallel_size > 1:
-                # (groups, ranks in one): each row consecutive ranks, so a group lies inside a node first.
-                expert_mesh = init_device_mesh(
-                    device.type, (world_size // expert_parallel_size, expert_parallel_size),
-                    mesh_dim_names=(EXPERT_DATA, EXPERT), backend_override={EXPERT_DATA: override, EXPERT: override},
-                )
+                # (groups, ranks in one): each row consecutive ranks, so a group lies inside a node first. Where
+                # the dense part's shards have replicas (MiCS, HSDP), the expert-data groups are cut the same way
+                # (replicas, expert-data ranks in one shard group, ranks in an expert-parallel group): an expert
+                # share is sharded inside the shard group and replicated across the very replicate groups the
+                # dense part's (the replicas' sum, once a step, is then every shard's).
+                replicas, shard_size = shape
+                dims: tuple[str, ...] = (EXPERT_DATA, EXPERT)
+                sizes = (shard_size // expert_parallel_size, expert_parallel_size)
+                if replicas > 1:
+                    dims, sizes = (EXPERT_REPLICATE, *dims), (replicas, *sizes)
+                expert_mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims,
+                                               backend_override={dim: override for dim in dims})
                 made.extend(expert_mesh.get_all_groups())
-                experts, expert_data = (
-                    ShardMesh(shard_size=expert_mesh.size(expert_mesh.mesh_dim_names.index(dim)),
-                              shard_rank=expert_mesh.get_local_rank(dim), shard_group=expert_mesh.get_group(dim))
-                    for dim in (EXPERT, EXPERT_DATA)
-                )
+
+                def along(dim: str, replicas_dim: str | None = None) -> ShardMesh:
+                    copies = {} if replicas_dim is None else {
+                        "replicate_size": expert_mesh.size(dims.index(replicas_dim)),
+                        "replicate_rank": expert_mesh.get_local_rank(replicas_dim),
+                        "replicate_group": expert_mesh.get_group(replicas_dim)}
+                    return ShardMesh(shard_size=expert_mesh.size(dims.index(dim)),
+                                     shard_rank=expert_mesh.get_local_rank(dim), shard_group=expert_mesh.get_group(dim),
+                                     **copies)
+
+                experts = along(EXPERT)
+                expert_data = along(EXPERT_DATA, EXPERT_REPLICATE if replicas > 1 else None)
         except BaseException:
             for group in made:
                 dist.destroy_process_group(group)

@@ -98,25 +98,20 @@ class Zero3Config(_Model):
 
     @model_validator(mode="after")
     def _expert_parallel_with(self) -> Zero3Config:
-        """Expert parallelism beside what lays the experts out so far: the dense part's replicas and
-        secondary shards, the parameter tiers and torchft are not laid out for expert shares yet."""
+        """Expert parallelism beside what lays the experts out: an expert-parallel group inside one of MiCS's
+        shard groups (the experts' replicas are then the dense part's); torchft's replica groups are not laid
+        out for expert shares yet."""
         if self.expert_parallel.size == 1:
             return self
-        zc = self.zero_optimization
-        refused = [
-            ("zero_optimization.mics_shard_size", zc.mics_shard_size, zc.mics_shard_size != -1),
-            ("zero_optimization.zero_hpz_partition_size", zc.zero_hpz_partition_size, zc.zero_hpz_partition_size > 1),
-            ("zero_optimization.offload_param.device", str(zc.offload_param.device),
-             str(zc.offload_param.device) != "none"),
-            ("zero_optimization.offload_optimizer.device", str(zc.offload_optimizer.device),
-             str(zc.offload_optimizer.device) != "none"),
-            ("fault_tolerance.enabled", True, self.fault_tolerance.enabled),
-        ]
-        for key, value, set_ in refused:
-            if set_:
-                raise _KeyedError(("expert_parallel.autoep_size", key),
-                                  f"expert parallelism does not lay its expert shares out with {key} yet: "
-                                  "remove one of the two", (self.expert_parallel.autoep_size, value))
+        autoep_size, mics = self.expert_parallel.autoep_size, self.zero_optimization.mics_shard_size
+        if mics != -1 and mics % autoep_size:
+            raise _KeyedError(("expert_parallel.autoep_size", "zero_optimization.mics_shard_size"),
+                              "an expert-parallel group lies inside one MiCS shard group: expected a size that "
+                              "divides mics_shard_size", (autoep_size, mics))
+        if self.fault_tolerance.enabled:
+            raise _KeyedError(("expert_parallel.autoep_size", "fault_tolerance.enabled"),
+                              "expert parallelism does not lay its expert shares out with fault_tolerance.enabled "
+                              "yet: remove one of the two", (autoep_size, True))
         return self
 
     @property

@@ -268,8 +268,10 @@ def build(
     secondary = None
     topology = comm.topology
     if topology is not None and topology.secondary is not None and units:
-        # hpZ: the persistent unit stays gathered, so only the others keep a secondary shard.
-        secondary = SecondaryShards(units, gather.mesh, topology.secondary, comm, device, compute_dtype)
+        # hpZ: the persistent unit stays gathered, so only the others keep a secondary shard; shared-out
+        # experts are gathered on their expert-data group, not the dense shard group hpZ's shards divide.
+        dense = [unit for unit in units if unit.gather.mesh is gather.mesh]
+        secondary = SecondaryShards(dense, gather.mesh, topology.secondary, comm, device, compute_dtype)
     coordinator = ParamCoordinator(
         model, units, parted.module_units, comm, gather.mesh, zc.stage3_prefetch_bucket_size,
         zc.stage3_max_live_parameters, persistent_unit, grads, secondary, protocol,

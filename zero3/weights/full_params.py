@@ -185,9 +185,10 @@ def _whole_experts(sp: ShardedParam, share: ExpertShare, output: GatherBuffer) -
     unit = unit_of(sp)
     assert unit is not None and unit.gather.comm is not None, f"{sp.name}: an expert share has its engine's unit"
     values = _gathered_shards(sp, unit.gather.exact(), output).reshape(-1)
-    gathered = output.take_whole(sp.whole_shape.numel())
-    unit.gather.comm.all_gather_flat(gathered, values, group=share.group)
-    return gathered.view(sp.whole_shape)
+    topology = unit.gather.comm.topology
+    assert topology is not None and topology.experts is not None, f"{sp.name}: an expert share has its groups"
+    shares = ParamGather(topology.experts, unit.gather.comm, own_group=True)  # rank-major: expert order
+    return shares.gather(values, output.take_whole(sp.whole_shape.numel())).view(sp.whole_shape)
 
 
 def _gathered_shards(sp: ShardedParam, gather: ParamGather, output: GatherBuffer) -> torch.Tensor:
