@@ -1,4 +1,5 @@
-"""zero3.initialize with `expert_parallel` on a tiny Hugging Face MoE model at 2 and 4 ranks: the same losses
+"""zero3.initialize with `expert_parallel` on tiny Hugging Face MoE models (Qwen3-MoE, Mixtral, gpt-oss's expert
+biases, DeepSeek-V3's shared experts) at 2, 4 and 8 ranks, with every tier, hpZ and MiCS: the same losses
 and weights, step after step, as a plain single-process run on the same global batch; a size that cannot lay
 the experts out and a model without experts refused on every rank before the model changes; combinations the
 expert shares are not laid out for yet refused by the config."""
@@ -91,15 +92,18 @@ def assert_matches_a_plain_run(results: list[dict], world: int, autoep_size: int
             first, got = result["weights"][name]
             expected = p.detach() if first is None else p.detach()[first:first + count]
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    whole = dict(reference.named_parameters())
+    tied = {"lm_head.weight"} if reference.config.tie_word_embeddings else set()
+    params, state = dict(reference.named_parameters()), reference.state_dict()  # (saved: the persistent buffers too)
     saved = safetensors.torch.load_file(save_dir / "model.safetensors")
-    for source in [result["streamed"] for result in results] + [result["bucketed"] for result in results] + [saved]:
-        assert set(source) == set(whole) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
+    streams = [result["streamed"] for result in results] + [result["bucketed"] for result in results]
+    for source, whole in [(stream, params) for stream in streams] + [(saved, state)]:
+        assert set(source) == set(whole) - tied
         for name, got in source.items():
             torch.testing.assert_close(got, whole[name].detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe")])
+@pytest.mark.parametrize("world, autoep_size, family", [(2, 2, "qwen3_moe"), (4, 2, "mixtral"), (4, 4, "qwen3_moe"),
+                                                       (2, 2, "gpt_oss"), (4, 2, "deepseek_v3")])
 def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: int, family: str,
                                                      tmp_path: Path) -> None:
     """Also: the trained weights streamed (one at a time and in buckets) and saved by save_16bit_model are the

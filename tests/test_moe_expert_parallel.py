@@ -29,6 +29,18 @@ def moe_model(seed: int, family: str = "qwen3_moe") -> torch.nn.Module:
                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                             head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
         model = transformers.MixtralForCausalLM(config)
+    elif family == "gpt_oss":  # biases on the experts' weights
+        config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=8,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=8, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+        model = transformers.GptOssForCausalLM(config)
+    elif family == "deepseek_v3":  # a dense first layer, shared experts beside the routed ones
+        config = transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=EXPERTS, n_shared_experts=1,
+            num_experts_per_tok=TOP_K, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=8,
+            kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+        model = transformers.DeepseekV3ForCausalLM(config)
     else:
         config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
                                              moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
