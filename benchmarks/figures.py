@@ -158,6 +158,38 @@ def render_comm_volume(run: dict[str, Any]) -> str:
             + f"\n\nThe ZeRO++ paper's cross-node volume per step: {paper}.\n\n" + provenance_line(run))
 
 
+# ---- moe.py ------------------------------------------------------------------------------------------------
+
+def render_moe(run: dict[str, Any]) -> str:
+    setup, model = run["setup"], run["model"]
+    total = model["dense_params"] + model["expert_params"]
+    rows = []
+    for row in run["variants"].values():
+        if "error" in row:
+            rows.append([row["variant"], str(row["world"]), f"did not run: {row['error']}", "", "", "", ""])
+            continue
+        expected = row["expected"]
+        rows.append([row["variant"], str(row["world"]), f"{row['median_step_s'] * 1000:,.1f}",
+                     f"{row['tokens_per_s']:,.0f}", f"**{row['tokens_per_s_vs_plain']:.2f}**",
+                     f"{row['gathered'] / MIB:.2f} ({expected['gathered'] / MIB:.2f})",
+                     f"{row['all_to_all'] / MIB:.2f} ({expected['all_to_all'] / MIB:.2f})"])
+    computed = run["computed_qwen3_30b_a3b_8x8"]
+    plain = computed["autoep_size 1"]["gathered"]
+    big = "; ".join(f"{name}: gathered {figures['gathered'] / 2**30:.2f} GiB ({figures['gathered'] / plain:.3f} of "
+                    f"plain), all-to-all {figures['all_to_all'] / 2**30:.2f} GiB" for name, figures in computed.items())
+    versions = ", ".join(f"{name} {version}" for name, version in run["versions"].items() if version)
+    return (f"A Hugging Face Qwen3-MoE from a config: {setup['layers']} layers of {setup['experts']} experts, "
+            f"top-{setup['top_k']}, hidden {setup['hidden']}, {total / 1e6:.2f}M parameters "
+            f"({model['expert_params'] / total:.0%} in experts), fp32, {run['tokens_per_rank']} tokens per rank and "
+            f"step, the median of {setup['steps']} steps after {setup['warmup']}; expert parallelism at autoep_size = "
+            f"the ranks. Bytes per rank and step, counted at torch.distributed's collectives; in brackets, the "
+            f"arithmetic that gives the Qwen3-30B-A3B figures (gathers: at most; all-to-all: the hidden states on "
+            f"balanced routing, without the routing's counts and indices).\n\n"
+            + table(["variant", "ranks", "step ms", "tokens/s", "vs plain", "gathered MiB", "all-to-all MiB"], rows)
+            + f"\n\nComputed for Qwen3-30B-A3B at 8 nodes x 8 ranks, bf16, 4096 tokens per rank and step: {big}.\n\n"
+            + f"With {versions}.\n\n" + provenance_line(run))
+
+
 # ---- zeropp_loss.py -------------------------------------------------------------------------------------------
 
 def render_zeropp_loss(run: dict[str, Any]) -> str:
@@ -334,6 +366,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"step_time": render_ste
                                                           "checkpoint": render_checkpoint,
                                                           "recovery": render_recovery, "rlhf": render_rlhf,
                                                           "comm_volume": render_comm_volume,
+                                                          "moe": render_moe,
                                                           "zeropp_loss": render_zeropp_loss,
                                                           "weight_sync": render_weight_sync,
                                                           "gpu_offload": render_gpu_offload}

@@ -116,6 +116,63 @@ def test_estimate_matches_the_engine_to_the_byte(world: int, tmp_path: Path) -> 
     assert rank0["bf16"]["model_state_bytes"]["lp_params"] > 0
 
 
+# Expert parallelism (tests/test_moe_engine.py's config: threshold 0, buckets of 500) beside what changes a
+# share's layout: MiCS's replicas, hpZ's secondary shards of the dense part, the tiers, bf16.
+MOE_CASES: list[tuple[str, int, dict[str, Any]]] = [
+    ("autoep 2", 2, {}),
+    ("autoep 4, bf16", 4, {"top": {"bf16": {"enabled": True}}}),
+    ("autoep 2, MiCS 2", 2, {"mics_shard_size": 2}),
+    ("autoep 2, hpZ 2, optimizer on cpu", 2, {"zero_hpz_partition_size": 2, "offload_optimizer": {"device": "cpu"}}),
+    ("autoep 2, parameters and optimizer on cpu", 2, {"offload_param": {"device": "cpu"},
+                                                     "offload_optimizer": {"device": "cpu"}}),
+]
+
+
+def moe_settings(autoep_size: int, zero: dict[str, Any]) -> dict[str, Any]:
+    from tests.test_moe_engine import config
+
+    zero = dict(zero)
+    top = zero.pop("top", {})
+    return {**config(autoep_size, **zero), **top}
+
+
+def moe_engine_states(rank: int, world: int) -> list[dict[str, Any]]:
+    from tests.test_moe_engine import batch
+    from tests.test_moe_expert_parallel import moe_model
+
+    results = []
+    for _, autoep_size, zero in MOE_CASES:
+        engine, *_ = zero3.initialize(model=moe_model(seed=0), config=moe_settings(autoep_size, zero))
+        ids = batch(rank, 0)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        report = engine.state_report()
+        results.append({"model_state_bytes": engine.model_state_bytes(),
+                        "report": {state: {k: v for k, v in where.items() if v or state == "lp_grads"}
+                                   for state, where in report.items()}})
+        engine.destroy()
+    return results
+
+
+def test_estimate_matches_an_expert_parallel_engine_to_the_byte() -> None:
+    from tests.test_moe_expert_parallel import moe_model
+
+    per_rank = run_ranks(4, moe_engine_states)
+    for (name, autoep_size, zero), *ranks in zip(MOE_CASES, *per_rank):
+        with torch.device("meta"):
+            meta = moe_model(seed=0)
+        settings = EstimateSettings.from_config(load_config(moe_settings(autoep_size, zero)), accelerator="cpu")
+        expected = estimate(model=meta, ranks_per_node=4, settings=settings)
+        assert all(p.shape[0] == 8 for n, p in meta.named_parameters() if "experts" in n)  # left as it was
+        for rank, result in enumerate(ranks):
+            assert result["model_state_bytes"] == expected.model_state_bytes(), f"{name}, rank {rank}"
+            assert result["report"] == expected.report("cpu"), f"{name}, rank {rank}"
+    with pytest.raises(ValueError, match="autoep_size=3 does not divide the world size 4"):
+        estimate(model=meta, ranks_per_node=4, settings=EstimateSettings(autoep_size=3))
+    with pytest.raises(ValueError, match="give the model, not a parameter count"):
+        estimate(params=10**6, ranks_per_node=4, settings=EstimateSettings(autoep_size=2))
+
+
 def test_the_same_model_through_the_gpt_option_and_the_api() -> None:
     shape = GPT_SHAPE
     exact = estimate(model=est.meta_gpt(shape.n_layer, shape.n_embd, shape.vocab_size, shape.block_size),

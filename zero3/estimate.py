@@ -43,8 +43,10 @@ from zero3.engine_state import MODEL_STATES
 from zero3.enums import OffloadStateType
 from zero3.offload.optimizer_tier import FP32_BYTES
 from zero3.offload.param_tier import split_units
+from zero3.moe import check_autoep_size, find_experts
+from zero3.moe.expert_parallel import SHARE, ExpertShare, expert_share
 from zero3.partition.collectives import GradReduce, ParamGather
-from zero3.shard_mesh import ShardMesh, hpz_group_size, mics_group_size
+from zero3.shard_mesh import ShardMesh, TopologyError, expert_group_size, hpz_group_size, mics_group_size
 from zero3.partition.leaf_modules import leaf_of
 from zero3.partition.lean import in_effect, lean_units, masters_are_shards
 from zero3.step.grad_shards import made_on_demand
@@ -98,6 +100,8 @@ class EstimateSettings:
     hpz_partition_size: int = 1
     # zero_optimization.lean_memory: no 16-bit shards for the trained parameters (zero3.partition.lean)
     lean_memory: bool = False
+    # expert_parallel.autoep_size (1: off): each expert layer's experts shared out over groups of that many ranks
+    autoep_size: int = 1
 
     def __post_init__(self) -> None:
         _choice("precision", self.precision, tuple(PRECISIONS))
@@ -110,7 +114,7 @@ class EstimateSettings:
                 _choice(name, value, tuple(PRECISIONS))
         for name, least in (
             ("reduce_bucket_size", 1), ("persistence_threshold", 0), ("model_persistence_threshold", 0),
-            ("max_in_cpu", 0), ("optimizer_states", 0), ("hpz_partition_size", 0),
+            ("max_in_cpu", 0), ("optimizer_states", 0), ("hpz_partition_size", 0), ("autoep_size", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -150,6 +154,7 @@ class EstimateSettings:
             mics_shard_size=zc.mics_shard_size,
             hpz_partition_size=zc.zero_hpz_partition_size,
             lean_memory=zc.lean_memory,
+            autoep_size=config.expert_parallel.size,
         )
 
     @property
@@ -197,19 +202,25 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
     `model` should hold no data (build it on the meta device); it is left as it was. `secondary`: hpZ's
     secondary group size (1: off).
     """
-    params = list(model.parameters())  # unique, in the order the engine's optimizer takes them
-    if any(sharded(p) is not None for p in params):
+    if any(sharded(p) is not None for p in model.parameters()):
         raise ValueError("the model's parameters are already partitioned by zero3: build it on the meta device")
     mesh = ShardMesh.geometry(world_size)  # sizes only: the layout code issues no collective here
+    # Expert parallelism: each expert weight stands in as rank 0's share, sharded over its expert-data group
+    # (the ranks of the shard group that hold that share), as the engine lays it out.
+    expert_mesh = ShardMesh.geometry(world_size // settings.autoep_size) if settings.autoep_size > 1 else None
+    shared = _stand_in_shares(model, settings.autoep_size, world_size) if expert_mesh is not None else []
+    params = list(model.parameters())  # unique, in the order the engine's optimizer takes them
     device = torch.device("meta")
     try:
         by_param = {
-            id(p): ShardedParam(p, name, mesh, settings.compute_dtype, device)
+            id(p): ShardedParam(p, name, expert_mesh if expert_share(p) is not None and expert_mesh else mesh,
+                                settings.compute_dtype, device)
             for name, p in model.named_parameters()
         }
+        expert_gather = ParamGather(expert_mesh, None, own_group=True) if expert_mesh is not None else None
         units, _, persistent = build_units(
             model, ParamGather(mesh, None), settings.persistence_threshold, settings.model_persistence_threshold,
-            leaf_of(model),
+            leaf_of(model), expert_gather,
         )
         all_units = units + ([persistent] if persistent is not None else [])  # the engine's all_units
         trainable = [by_param[id(p)] for p in params if p.requires_grad]
@@ -220,8 +231,11 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
         else:
             in_memory, on_disk = kept, []
         reducer = GradientReducer(
-            GradReduce(mesh, None), trainable, settings.comm_dtype, device, settings.reduce_bucket_size, settings.overlap_comm
+            GradReduce(mesh, None), trainable, settings.comm_dtype, device, settings.reduce_bucket_size,
+            settings.overlap_comm,
+            expert_reduce=GradReduce(expert_mesh, None, own_group=True) if expert_mesh is not None else None,
         )
+        dense = [unit for unit in units if unit.gather.mesh is mesh]  # hpZ's secondary shards: the dense part's
         return RankLayout(
             lp_in_memory=sum(unit.shard_numel for unit in in_memory),
             lp_on_disk=sum(unit.shard_numel for unit in on_disk),
@@ -231,13 +245,35 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
             ),
             scratch=reducer.scratch_numel(),
             # SecondaryShards: world/secondary primary shards of every unit but the persistent one
-            hpz_secondary=world_size // secondary * sum(unit.shard_numel for unit in units) if secondary > 1 else 0,
+            hpz_secondary=world_size // secondary * sum(unit.shard_numel for unit in dense) if secondary > 1 else 0,
             shard_group=world_size,
         )
     finally:
         for p in params:
             if hasattr(p, ATTR):
                 delattr(p, ATTR)
+        for module, name, whole in shared:
+            module._parameters[name] = whole
+
+
+def _stand_in_shares(model: nn.Module, autoep_size: int, shard_size: int) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Each expert weight of `model` replaced by a meta parameter of one rank's share (E/N experts), marked as
+    the engine marks a shared-out weight (zero3.moe.expert_parallel); the replaced weights, to put back. The
+    engine's checks of the size, with its errors."""
+    layers = find_experts(model)
+    check_autoep_size(layers, autoep_size, shard_size, shard_size)
+    replaced = []
+    for layer in layers:
+        share = ExpertShare(layer.num_experts, 0, autoep_size)
+        for name in layer.weights:
+            whole = layer.module._parameters[name]
+            assert whole is not None
+            stand_in = nn.Parameter(torch.empty((share.count, *whole.shape[1:]), dtype=whole.dtype, device="meta"),
+                                    requires_grad=whole.requires_grad)
+            setattr(stand_in, SHARE, share)
+            layer.module._parameters[name] = stand_in
+            replaced.append((layer.module, name, whole))
+    return replaced
 
 
 def _persistent_gathered_numel(shard: int, world_size: int, settings: EstimateSettings, lean: bool = False) -> int:
@@ -412,6 +448,15 @@ def estimate(
     secondary = settings.secondary_group_size(world, ranks_per_node)
     if (params is None) == (model is None):
         raise ValueError("give exactly one of params (a parameter count) and model")
+    if settings.autoep_size > 1:
+        if model is None:
+            raise ValueError(f"autoep_size {settings.autoep_size}: expert parallelism lays out a model's experts; "
+                             "give the model, not a parameter count")
+        try:  # the engine's rule for the groups, with its error
+            expert_group_size(settings.autoep_size, ranks_per_node * nodes, ranks_per_node,
+                              world if world < ranks_per_node * nodes else None)
+        except TopologyError as error:
+            raise ValueError(str(error)) from None
     if model is not None:
         count = sum(p.numel() for p in model.parameters())
         layout = layout_of_model(model, world, settings, secondary)
