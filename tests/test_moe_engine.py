@@ -223,8 +223,9 @@ def refused_rank(rank: int, world: int, case: str) -> str:
             experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[:3].clone())
             experts.num_experts = 3
         before = {name: p.shape for name, p in model.named_parameters()}
+    groups = [{"params": [torch.zeros(3)]}] if case == "a tensor not of the model in model_parameters" else None
     try:
-        engine, *_ = zero3.initialize(model=model, config=settings)
+        engine, *_ = zero3.initialize(model=model, config=settings, model_parameters=groups)
     except (zero3.ConfigError, ValueError) as error:
         after = {name: p.shape for name, p in model.named_parameters()}
         assert after == before and not any(type(m).__name__.startswith("ExpertParallel") for m in model.modules())
@@ -245,6 +246,7 @@ def refused_rank(rank: int, world: int, case: str) -> str:
                                                 r" of every layer \(3\)"),
     ("no experts", "expert_parallel is enabled, but the model has no expert layers"),
     ("autoep_size does not divide the world", "expert_parallel.autoep_size=4 does not divide the world size 2"),
+    ("a tensor not of the model in model_parameters", r"model_parameters holds a tensor of shape \(3,\)"),
     ("one rank's values for every rank's experts", r"GatheredParameters\(modifier_rank=0\) on shared-out expert "
                                                    r"weights \(model.layers.0.mlp.experts.gate_up_proj, ...\)"),
 ])

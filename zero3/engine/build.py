@@ -193,8 +193,9 @@ def build(
     compute_dtype = config.compute_dtype
     # What the optimizer keeps per element, learned before anything is partitioned or reserved.
     state_layout = probe(spec, step_device(config, device)) if spec is not None else None
-    expert_gather = share_out_experts(model, config, comm)  # before anything reads the expert weights
     group_plan = plan_groups(model, model_parameters, spec) if spec is not None else []
+    # After the groups are checked (a bad one leaves the model whole), before anything reads the expert weights.
+    expert_gather = share_out_experts(model, config, comm)
     leaf = zc.leaf_module
     leaves = mark_leaves(model, leaf.classes, leaf.names, leaf.name_suffixes, zc.stage3_module_granularity_threshold)
     parted = partition_model(model, gather, device, compute_dtype, leaves, zc, expert_gather)
