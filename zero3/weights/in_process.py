@@ -52,8 +52,8 @@ def _targets(trained: nn.Module, module: nn.Module | None, name_map: NameMap, st
         target = theirs.get(target_name)
         if target is None:
             problems.append(f"{name} -> {target_name}: the generator has no such parameter")
-        elif tuple(target.shape) != tuple(sp.shape):
-            problems.append(f"{name} -> {target_name}: shape {list(sp.shape)} here, {list(target.shape)} there")
+        elif tuple(target.shape) != tuple(sp.whole_shape):  # (an expert share streams whole: [E, ...])
+            problems.append(f"{name} -> {target_name}: shape {list(sp.whole_shape)} here, {list(target.shape)} there")
         else:
             targets[name] = target
     if strict:
