@@ -36,12 +36,19 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 def trained_rank(rank: int, world: int, autoep_size: int, family: str, save_dir: str,
-                 zero: dict | None = None) -> dict:
+                 zero: dict | None = None, under_init: bool = False) -> dict:
     """`zero`: more zero_optimization keys; with them, the states are also parked on disk after the second
-    step (offload_states) and brought back before the third."""
+    step (offload_states) and brought back before the third. `under_init`: the model built under zero3.Init."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = moe_model(seed=rank, family=family)  # seeded apart: rank 0's weights are everyone's
-    engine, *_ = zero3.initialize(model=model, config=config(autoep_size, **(zero or {})))
+    settings = config(autoep_size, **(zero or {}))
+    if under_init:
+        with zero3.Init(config_dict_or_path=settings):
+            model = moe_model(seed=rank, family=family)
+        experts = model.model.layers[0].mlp.experts.gate_up_proj
+        assert experts.numel() == 0 and experts.ds_shape[0] == EXPERTS  # partitioned over every rank
+    else:
+        model = moe_model(seed=rank, family=family)  # seeded apart: rank 0's weights are everyone's
+    engine, *_ = zero3.initialize(model=model, config=settings)
     losses, parked = [], {}
     for step in range(STEPS):
         if zero is not None and step == 2:
@@ -110,6 +117,12 @@ def test_expert_parallel_training_matches_a_plain_run(world: int, autoep_size: i
     plain run's whole weights."""
     results = run_ranks(world, trained_rank, autoep_size, family, str(tmp_path))
     assert_matches_a_plain_run(results, world, autoep_size, family, tmp_path)
+
+
+def test_a_model_built_under_zero3_init_has_its_experts_shared_out_from_its_partition(tmp_path: Path) -> None:
+    """Each expert weight gathered whole from Init's shards, one at a time, and its share cut from it."""
+    results = run_ranks(4, trained_rank, 2, "qwen3_moe", str(tmp_path), None, True)
+    assert_matches_a_plain_run(results, 4, 2, "qwen3_moe", tmp_path)
 
 
 @pytest.mark.parametrize("world, zero", [

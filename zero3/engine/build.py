@@ -29,7 +29,7 @@ from zero3.config import Zero3Config
 from zero3.engine_state import buffers_of, bytes_by_state, state_list
 from zero3.enums import OffloadDevice, OffloadStateType
 from zero3.moe import expert_parallel
-from zero3.moe.experts import check_autoep_size, find_experts
+from zero3.moe.experts import ExpertLayer, check_autoep_size, find_experts
 from zero3.offload.disk import FileIO, ThreadPoolFileIO
 from zero3.offload.host import HostBufferPool
 from zero3.offload.manager import StateOffloader
@@ -40,7 +40,7 @@ from zero3.offload.tiers import (
 from zero3.optim.param_groups import plan_groups
 from zero3.optim.spec import OptimizerSpec, probe
 from zero3.partition import ds_attributes, param_dict
-from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce
+from zero3.partition.collectives import GradReduce, ParamGather, QuantizedGradReduce, gather_full_fp32
 from zero3.partition.flat_buffer import FlatBuffer
 from zero3.partition.lean import go_lean, in_effect as lean_in_effect, lean_units, masters_are_shards
 from zero3.partition.leaf_modules import mark_leaves
@@ -48,7 +48,7 @@ from zero3.partition.partitioner import partition_model
 from zero3.partition.sharded_param import ATTR, ShardedParam, mark_released, sharded
 from zero3.shard_mesh import ShardMesh
 from zero3.partition.secondary import SecondaryShards
-from zero3.partition.unit import GatherUnit, Hold, UnitState
+from zero3.partition.unit import GatherUnit, Hold, UnitState, unit_of
 from zero3.passes.coordinator import ParamCoordinator
 from zero3.step.early_step import EarlySteps
 from zero3.passes.grad_hooks import BackwardPass
@@ -312,8 +312,39 @@ def share_out_experts(model: nn.Module, config: Zero3Config, comm: Communicator)
         return None
     layers = find_experts(model)
     check_autoep_size(layers, size, topology.world_size, topology.nodes.ranks_per_node)
-    expert_parallel.share_out_experts(layers, topology.experts.shard_rank, size, topology.experts.shard_group)
+    check_init_partitioned_experts(layers)
+    expert_parallel.share_out_experts(layers, topology.experts.shard_rank, size, topology.experts.shard_group,
+                                      whole_values=out_of_init_partition)
     return ParamGather(topology.expert_data, comm, own_group=True)
+
+
+def check_init_partitioned_experts(layers: list[ExpertLayer]) -> None:
+    """An expert weight partitioned by zero3.Init leaves its partition whole: its gather unit holds only its
+    layer's expert weights (Init makes a unit of a module's own parameters, and an experts module has no other)."""
+    for layer in layers:
+        weights = {id(getattr(layer.module, name)) for name in layer.weights}
+        for name in layer.weights:
+            sp = sharded(getattr(layer.module, name))
+            unit = unit_of(sp) if sp is not None else None
+            others = [other.name for other in unit.params if id(other.param) not in weights] if unit else []
+            if others:
+                raise ValueError(f"expert layer {layer.name!r}: zero3.Init partitioned {name} together with "
+                                 f"{', '.join(others)}, which are not the layer's expert weights")
+
+
+def out_of_init_partition(param: nn.Parameter) -> torch.Tensor | None:
+    """A zero3.Init-partitioned expert weight's whole fp32 values (collective over its unit's group, every rank
+    in the same order), the weight taken out of the partition as a destroyed engine releases a parameter;
+    None for a weight that holds its values."""
+    sp = sharded(param)
+    if sp is None:
+        return None
+    unit = unit_of(sp)
+    assert unit is not None
+    values = gather_full_fp32(sp, unit.gather, sp.placeholder.device)
+    delattr(param, ATTR)
+    ds_attributes.take_off(param)
+    return values
 
 
 def grad_reduce(mesh: ShardMesh, comm: Communicator) -> GradReduce:

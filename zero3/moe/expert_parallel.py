@@ -13,10 +13,15 @@ FSDP2's `fully_shard` swaps a module's class, so hooks on the module (the engine
 around the whole call, and a deepcopy or a pickle of the model keeps working. Each expert weight carries
 its `ExpertShare` (which experts of how many it holds), for whatever must see the whole `[E, ...]` tensor
 again.
+
+A model built under `zero3.Init` holds its expert weights as shards over every rank: the engine gathers
+each whole, in fp32, one weight at a time (`whole_values`), and its share is cut from that; the weight
+leaves Init's partition, and the engine shards its share as any other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,15 +91,22 @@ def expert_share(param: torch.Tensor) -> ExpertShare | None:
     return getattr(param, SHARE, None)
 
 
+# The whole, agreed values of an expert weight that holds none itself (partitioned by zero3.Init: the engine
+# gathers them, and takes the weight out of its partition), or None for a weight that holds its values.
+WholeValues = Callable[[nn.Parameter], "torch.Tensor | None"]
+
+
 def share_out_experts(layers: list[ExpertLayer], ep_rank: int, ep_size: int,
-                      group: dist.ProcessGroup | None = None) -> list[ExpertShare]:
+                      group: dist.ProcessGroup | None = None,
+                      whole_values: WholeValues | None = None) -> list[ExpertShare]:
     """Each of `layers` (zero3.moe.experts' `find_experts`, already checked by `check_autoep_size`) made
     rank `ep_rank`'s share of it, in place ([Note: an experts module shared out]). Collective over the
-    default group (rank 0's values are every rank's) when the job has more than one rank."""
+    default group (rank 0's values are every rank's) when the job has more than one rank. `whole_values`:
+    where the weights partitioned by zero3.Init get their values (one weight at a time)."""
     for layer in layers:  # every layer checked before any is changed
         for name in layer.weights:
             whole = getattr(layer.module, name)
-            if whole.is_meta or hasattr(whole, "ds_shape"):
+            if whole.is_meta or (hasattr(whole, "ds_shape") and whole_values is None):
                 raise ValueError(f"expert layer {layer.name!r}: {name} holds no values here (on the meta device, or "
                                  "partitioned by zero3.Init); its experts are shared out from whole weights")
     shares = []
@@ -104,10 +116,12 @@ def share_out_experts(layers: list[ExpertLayer], ep_rank: int, ep_size: int,
         module = layer.module
         for name in layer.weights:
             whole: nn.Parameter = getattr(module, name)
-            values = whole.detach()
-            if spread:
-                values = values.contiguous().clone()
-                dist.broadcast(values, src=0)
+            values = whole_values(whole) if whole_values is not None else None
+            if values is None:
+                values = whole.detach()
+                if spread:
+                    values = values.contiguous().clone()
+                    dist.broadcast(values, src=0)
             with torch.no_grad():  # the same parameter (an optimizer's groups still hold it), its share's values
                 whole.data = values[share.first:share.first + share.count].clone()
             setattr(whole, SHARE, share)
