@@ -1,7 +1,8 @@
 """A Hugging Face MoE model with expert parallelism under Hugging Face's Trainer and generate: the Zero3Trainer
 at 2 ranks with `expert_parallel` (autoep_size 2) against the plain Trainer at one rank on the same global
 batches (each step's loss and grad norm, the trained weights), `save_model` loaded into the plain Hugging Face
-class, the weights delivered whole to a generator model (`zero3.weights.load_into`), and greedy generation with `synced_gpus` (ranks of different prompt and answer lengths, each expert-
+class, the weights delivered whole to a generator model (`zero3.weights.load_into`), TRL's SFTTrainer through
+the mixin, and greedy generation with `synced_gpus` (ranks of different prompt and answer lengths, each expert-
 parallel rank in every forward until all are done) against the plain model's own."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import transformers
 
 import zero3
 from tests.distributed import run_ranks
-from tests.test_hf_trainer import in_order, logged
+from tests.test_hf_trainer import in_order, logged, text_dataset, word_tokenizer
 from tests.test_moe_expert_parallel import EXPERTS, VOCAB, moe_model
 from zero3.moe import expert_share
 
@@ -122,3 +123,41 @@ def test_generate_with_synced_gpus_gives_the_plain_models_answers(runs: tuple) -
     plain, ranks, _ = runs
     for rank, result in enumerate(ranks):
         assert torch.equal(result["answer"], plain["answers"][rank]), rank
+
+
+def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
+    import trl
+
+    from zero3.integrations.hf import Zero3TrainerMixin
+
+    model = moe_model(seed=rank if on_zero3 else 0)
+    model.config.pad_token_id, model.config.eos_token_id = 0, 1
+    args = trl.SFTConfig(
+        output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, warmup_steps=1,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=12,
+        bf16=False)
+    if on_zero3:
+        class SFT(Zero3TrainerMixin, trl.SFTTrainer):
+            pass
+
+        trainer = in_order(SFT)(model=model, args=args, train_dataset=text_dataset(),
+                                processing_class=word_tokenizer(), zero3_config=CONFIG)
+    else:
+        trainer = in_order(trl.SFTTrainer)(model=model, args=args, train_dataset=text_dataset(),
+                                           processing_class=word_tokenizer())
+    trainer.train()
+    out = {"logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]}
+    if on_zero3:
+        out["shares"] = sorted({share.count for p in model.parameters() if (share := expert_share(p))})
+        trainer.engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_trls_sft_trainer_trains_an_moe_model_with_expert_parallelism(tmp_path: Path) -> None:
+    (plain,) = run_ranks(1, sft_run, str(tmp_path / "plain"), False)
+    for out in run_ranks(2, sft_run, str(tmp_path / "zero3"), True):
+        assert out["shares"] == [EXPERTS // 2] and len(out["logged"]) == STEPS == len(plain["logged"])
+        for (loss, norm), (ref_loss, ref_norm) in zip(out["logged"], plain["logged"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
