@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
