@@ -190,7 +190,7 @@ def _worker(args: argparse.Namespace, variant: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     counts = Counts()
     counts.install()
-    result: dict[str, Any] = {}
+    result: dict[str, Any]
     try:
         torch.manual_seed(0)
         model = transformers.Qwen3MoeForCausalLM(model_config(args)).float()

@@ -282,29 +282,34 @@ def train_and_log(trainer: Any, keys: tuple[str, ...], on_zero3: bool) -> dict:
     return out
 
 
-def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
+def sft_trainer(model: Any, world: int, output_dir: str, on_zero3: bool, zero3_config: dict = CONFIG,
+                max_steps: int = STEPS, max_length: int = 16) -> Any:
+    """TRL's SFTTrainer over `model` on the word dataset, read in order: through Zero3TrainerMixin on
+    `zero3_config`, or plain."""
     import trl
 
     from zero3.integrations.hf import Zero3TrainerMixin
 
-    model = tiny_llama()
     model.config.pad_token_id, model.config.eos_token_id = 0, 1
     args = trl.SFTConfig(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, warmup_steps=1,
-        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=16,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=max_steps, learning_rate=1e-2, warmup_steps=1,
+        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+        max_length=max_length,
         bf16=False,  # SFTConfig's default is bf16: fp32 on both sides, to compare within float32 rounding
     )
     if on_zero3:
         class SFT(Zero3TrainerMixin, trl.SFTTrainer):  # what the issue's users write
             pass
 
-        trainer = in_order(SFT)(model=model, args=args, train_dataset=text_dataset(),
-                                processing_class=word_tokenizer(), zero3_config=CONFIG)
-    else:
-        trainer = in_order(trl.SFTTrainer)(model=model, args=args, train_dataset=text_dataset(),
-                                           processing_class=word_tokenizer())
-    return train_and_log(trainer, ("loss", "grad_norm"), on_zero3)
+        return in_order(SFT)(model=model, args=args, train_dataset=text_dataset(),
+                             processing_class=word_tokenizer(), zero3_config=zero3_config)
+    return in_order(trl.SFTTrainer)(model=model, args=args, train_dataset=text_dataset(),
+                                    processing_class=word_tokenizer())
+
+
+def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
+    return train_and_log(sft_trainer(tiny_llama(), world, output_dir, on_zero3), ("loss", "grad_norm"), on_zero3)
 
 
 @pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import transformers
 
 import zero3
 from tests.distributed import run_ranks
-from tests.test_hf_trainer import in_order, logged, text_dataset, word_tokenizer
+from tests.test_hf_trainer import in_order, logged, sft_trainer
 from tests.test_moe_expert_parallel import EXPERTS, VOCAB, moe_model
 from zero3.moe import expert_share
 
@@ -126,26 +126,8 @@ def test_generate_with_synced_gpus_gives_the_plain_models_answers(runs: tuple) -
 
 
 def sft_run(rank: int, world: int, output_dir: str, on_zero3: bool) -> dict:
-    import trl
-
-    from zero3.integrations.hf import Zero3TrainerMixin
-
     model = moe_model(seed=rank if on_zero3 else 0)
-    model.config.pad_token_id, model.config.eos_token_id = 0, 1
-    args = trl.SFTConfig(
-        output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS // world,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=1e-2, warmup_steps=1,
-        max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, max_length=12,
-        bf16=False)
-    if on_zero3:
-        class SFT(Zero3TrainerMixin, trl.SFTTrainer):
-            pass
-
-        trainer = in_order(SFT)(model=model, args=args, train_dataset=text_dataset(),
-                                processing_class=word_tokenizer(), zero3_config=CONFIG)
-    else:
-        trainer = in_order(trl.SFTTrainer)(model=model, args=args, train_dataset=text_dataset(),
-                                           processing_class=word_tokenizer())
+    trainer = sft_trainer(model, world, output_dir, on_zero3, CONFIG, max_steps=STEPS, max_length=12)
     trainer.train()
     out = {"logged": [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]}
     if on_zero3:

@@ -213,8 +213,8 @@ def layout_of_model(model: nn.Module, world_size: int, settings: EstimateSetting
     device = torch.device("meta")
     try:
         by_param = {
-            id(p): ShardedParam(p, name, expert_mesh if expert_share(p) is not None and expert_mesh else mesh,
-                                settings.compute_dtype, device)
+            id(p): ShardedParam(p, name, expert_mesh if expert_mesh is not None and expert_share(p) is not None
+                                else mesh, settings.compute_dtype, device)
             for name, p in model.named_parameters()
         }
         expert_gather = ParamGather(expert_mesh, None, own_group=True) if expert_mesh is not None else None

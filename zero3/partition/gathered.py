@@ -55,13 +55,14 @@ class GatheredParameters:
                 units.setdefault(id(unit), unit)
                 self.listed.add(sp)
         self.units = list(units.values())
-        shared = [sp.name for sp in self.listed if expert_share(sp.param) is not None]
-        if modifier_rank is not None and shared:
-            # One rank's values cannot become every rank's: the ranks of an expert-parallel group hold other experts.
-            raise ValueError(
-                f"GatheredParameters(modifier_rank={modifier_rank!r}) on shared-out expert weights ({shared[0]}, ...): "
-                "each rank holds its own experts, so no one rank's values are every rank's; set their values with "
-                "load_checkpoint, or before zero3.initialize shares the experts out")
+        if modifier_rank is not None:
+            shared = [sp.name for sp in self.listed if expert_share(sp.param) is not None]
+            if shared:
+                # One rank's values cannot become every rank's: an expert-parallel group's ranks hold other experts.
+                raise ValueError(
+                    f"GatheredParameters(modifier_rank={modifier_rank!r}) on shared-out expert weights "
+                    f"({shared[0]}, ...): each rank holds its own experts, so no one rank's values are every rank's; "
+                    "set their values with load_checkpoint, or before zero3.initialize shares the experts out")
         if modifier_rank is not None and self.units:
             world = self.units[0].gather.mesh.shard_size
             if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world:
